@@ -1,0 +1,77 @@
+"""`pagedllm` command line: make-tiny-model, generate, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _make_tiny_model(args) -> None:
+    from pagedllm.tiny_model import make_tiny_model
+
+    make_tiny_model(args.dir, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype,
+                    max_shard_size=args.max_shard_size)
+    print(f"wrote {args.arch} ({args.size}) model to {args.dir}")
+
+
+def _generate(args) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or [])
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        c = out.outputs[0]
+        print(json.dumps({"prompt": out.prompt, "text": c.text, "num_output_tokens": len(c.token_ids),
+                          "finish_reason": c.finish_reason}))
+
+
+def _serve(args) -> None:
+    from pagedllm.serving.launcher import serve
+
+    sys.exit(serve(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny-model", help="write an HF-style model directory with random weights")
+    p.add_argument("dir")
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "125m"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-shard-size", default=None, help="e.g. 1MB: write a sharded checkpoint")
+    p.set_defaults(func=_make_tiny_model)
+
+    p = sub.add_parser("generate", help="generate offline for prompts given on the command line")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.set_defaults(func=_generate)
+
+    from pagedllm.serving.launcher import add_serve_arguments
+
+    p = sub.add_parser("serve", help="serve a model through a real tritonserver")
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

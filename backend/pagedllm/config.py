@@ -1,0 +1,83 @@
+"""Engine configuration: frozen dataclasses validated at construction.
+
+`EngineConfig.from_kwargs` is the single place where user-facing keyword arguments (offline `LLM(...)`,
+Triton's engine.json, the CLI) become a validated configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for K and V of all layers. The number of blocks is derived from it (see kv_cache_manager).
+    kv_cache_memory_bytes: int = 1 * GiB
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size", f"must be a positive power of two, got {self.block_size}")
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    max_queue_size: int | None = None  # waiting requests beyond this are rejected ("overloaded")
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+                 f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        _require(self.max_queue_size is None or self.max_queue_size > 0, "max_queue_size", "must be > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    attention_backend: str = "auto"
+    log_stats: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Sort flat keyword arguments into the nested configs; unknown names are an error."""
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        nested: dict[str, dict] = {name: {} for name in groups}
+        top: dict = {}
+        top_names = {f.name for f in dataclasses.fields(cls)} - set(groups)
+        for key, value in kwargs.items():
+            for group, klass in groups.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    nested[group][key] = value
+                    break
+            else:
+                if key not in top_names:
+                    raise ValueError(f"unknown engine argument {key!r}")
+                top[key] = value
+        return cls(model=model, cache=CacheConfig(**nested["cache"]),
+                   scheduler=SchedulerConfig(**nested["scheduler"]), **top)

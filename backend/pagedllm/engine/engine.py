@@ -1,0 +1,201 @@
+"""LLMEngine: owns the model, the KV cache, the scheduler and the per-request output state.
+
+`add_request` validates and queues; each `step` schedules, runs the model once, samples, applies stop
+conditions (finished requests free their blocks at once) and returns the outputs that changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from pagedllm.attention.selector import select_backend
+from pagedllm.config import EngineConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.engine.output_processor import RequestState
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.sampler import Sampler
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.stats import EngineStats
+from pagedllm.engine.stop_checker import check_stop
+from pagedllm.models.loader import load_model
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+PromptType = str | dict | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.dtype = self._resolve_dtype(config.dtype)
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = self._eos_token_ids()
+        self.vocab_size = self.hf_config.vocab_size
+        model = load_model(config.model, self.hf_config, self.dtype)
+
+        cc = config.cache
+        num_blocks = cc.kv_cache_memory_bytes // kv_bytes_per_block(self.hf_config, cc.block_size, self.dtype)
+        needed = cdiv(self.max_model_len, cc.block_size) + 1  # one full-length request, plus the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {cc.kv_cache_memory_bytes} bytes hold {num_blocks} blocks; one request of "
+                f"max_model_len={self.max_model_len} needs {needed}. Raise the budget or lower max_model_len.")
+        sc = config.scheduler
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len)
+        self.backend = select_backend(config.attention_backend)
+        self.runner = ModelRunner(model, self.hf_config, num_blocks, cc.block_size, self.dtype, self.backend)
+        self.sampler = Sampler(config.seed)
+        self.states: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.hf_config.architectures[0], self.dtype, num_blocks - 1, cc.block_size, self.max_model_len)
+
+    # --- setup helpers ------------------------------------------------------------------
+    def _resolve_dtype(self, name: str) -> torch.dtype:
+        if name != "auto":
+            return _DTYPES[name]
+        dt = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(dt, str):
+            dt = _DTYPES.get(dt, torch.float32)
+        # float16 on CPU is slow and overflow-prone: auto picks bfloat16 there instead.
+        return torch.bfloat16 if dt == torch.float16 else (dt or torch.float32)
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.hf_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len: {asked} exceeds the model's max_position_embeddings {limit}")
+        return asked or limit
+
+    def _eos_token_ids(self) -> set[int]:
+        try:
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except OSError:
+            eos = self.hf_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
+
+    # --- requests -----------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected str, dict or list of token ids, got {type(prompt).__name__}")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, timeout: float | None = None) -> str:
+        """Validate and queue a request. Raises ValueError (bad input) or QueueFullError; nothing else changes."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self._validate_prompt(ids)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        now = time.monotonic()
+        req = Request(request_id, ids, params, self.eos_token_ids, self.config.cache.block_size, prompt=text,
+                      priority=priority, arrival_time=now, deadline=None if timeout is None else now + timeout,
+                      max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        self.states[request_id] = RequestState(req, self.tokenizer)
+        return request_id
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len="
+                             f"{self.max_model_len}")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} are not token ids in [0, {self.vocab_size})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort_request(request_id)
+        state = self.states.pop(request_id, None)
+        return state.make_output() if req is not None and state is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [self._finish_output(r) for r in sched.timed_out]
+        if sched.is_empty():
+            return outputs
+        self.num_steps += 1
+        self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
+                                                        s.request.num_computed_tokens)) for s in sched.scheduled)
+        logits, sampling_rows = self.runner.execute(sched, self.kv)
+        sampled_list = self.sampler(logits, [s.request for s in sampling_rows]) if sampling_rows else []
+        sampled = {s.request.request_id: tok for s, tok in zip(sampling_rows, sampled_list)}
+        got = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
+        now = time.monotonic()
+        for req in got:
+            self.generation_tokens += 1
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            state = self.states[req.request_id]
+            status = check_stop(req, self.max_model_len)
+            # An EOS or stop token ends the request without adding its text (as vLLM does).
+            stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+            status = state.add_token(sampled[req.request_id], with_text=not stopped_by_token) or status
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            outputs.append(self._finish_output(req) if req.is_finished else state.make_output())
+        return outputs
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        return self.states.pop(req.request_id).make_output()
+
+    # --- introspection ------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=self.kv.num_usable_blocks,
+            num_blocks_free=self.kv.num_free_blocks,
+            kv_cache_usage=self.kv.pool.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_steps=self.num_steps,
+            attention_backend=self.backend.name,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()

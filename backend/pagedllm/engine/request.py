@@ -1,0 +1,147 @@
+"""A request's state: its tokens, its progress counter and its lifecycle status.
+
+The single progress rule (GUIDE.md): `num_computed_tokens` catches up with `num_tokens`. Prefill, chunked
+prefill, prefix-cache hits and recompute after preemption all fall out of it: whatever is between the two
+counters is scheduled next, and a token is sampled whenever a step brings them level.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pagedllm.engine.block_hash import BlockHash, hash_block_tokens
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_TIMEOUT = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
+}
+
+_FINISHED = {s for s in RequestStatus if s.is_finished}
+# The only legal moves; `Request.set_status` is the one place they are checked.
+_TRANSITIONS = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING} | _FINISHED,
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.WAITING} | _FINISHED,
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int],
+        block_size: int,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        deadline: float | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.deadline = deadline  # monotonic time after which the request finishes with "timeout"
+        self.max_tokens = max_tokens  # effective limit: params.max_tokens capped by the context
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+
+        self.block_size = block_size
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+        # Timestamps (monotonic) for metrics.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    # --- tokens -----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly completed full block, chained to its parent's hash."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in _TRANSITIONS.get(self.status, ()):
+            raise InvalidTransition(f"request {self.request_id}: {self.status.name} -> {new.name} is not allowed")
+        self.status = new
+        if new.is_finished:
+            self.finished_time = time.monotonic()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens})")

@@ -1,0 +1,109 @@
+"""Turns the logits of the rows that sample this step into tokens (and logprobs), one row per request.
+
+Order of processing (as in vLLM): penalties, min_tokens masking, then greedy argmax, or temperature, top-k,
+top-p, min-p and a draw. A request with a seed draws from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine.request import Request
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float  # under the raw (unprocessed) model distribution
+    rank: int
+    top_logprobs: list[tuple[int, float]] | None  # top-N (token, logprob) when the request asked for them
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties_and_masks(logits, reqs)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows)
+            token_ids[idx] = self._sample(logits[idx], [reqs[i] for i in random_rows])
+        return self._logprobs(raw_logprobs, token_ids, reqs)
+
+    def _apply_penalties_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        for i, req in enumerate(reqs):
+            p = req.sampling_params
+            if p.needs_penalties:
+                _apply_penalties(logits[i], req)
+            if req.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else req.eos_token_ids)
+                if banned:
+                    logits[i, list(banned)] = -float("inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.sampling_params.temperature for r in reqs]).unsqueeze(1)
+        logits = logits / temps
+        logits = _top_k_top_p(logits, [r.sampling_params.top_k for r in reqs],
+                               [r.sampling_params.top_p for r in reqs])
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = torch.tensor([r.sampling_params.min_p for r in reqs]).unsqueeze(1)
+        if (min_ps > 0).any():
+            probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
+        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ranks = (raw > chosen.unsqueeze(1)).sum(dim=1) + 1
+        out = []
+        for i, req in enumerate(reqs):
+            n = req.sampling_params.logprobs
+            top = None
+            if n:
+                vals, ids = raw[i].topk(n)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            elif n == 0:
+                top = []
+            out.append(SampledToken(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
+        return out
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)))
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=row.shape[0])[: row.shape[0]]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    if not any(top_ks) and all(p >= 1.0 for p in top_ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
+    mask = torch.arange(vocab).unsqueeze(0) >= ks
+    probs = torch.softmax(sorted_logits.masked_fill(mask, -float("inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
+    mask |= before >= torch.tensor(top_ps).unsqueeze(1)  # the first token is always kept (before == 0)
+    sorted_logits = sorted_logits.masked_fill(mask, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

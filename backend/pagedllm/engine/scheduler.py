@@ -1,0 +1,181 @@
+"""Continuous batching at token granularity.
+
+Each step gets a token budget. Running requests are served first (a decode costs one token, an unfinished
+prefill as many as fit), then waiting requests are admitted while budget, sequence slots and KV blocks last.
+When a running request cannot get a block, requests are preempted by recompute (their blocks freed, their
+progress reset) starting from the one that yields first: the most recently admitted (FCFS) or the lowest
+priority (priority policy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request_queue import make_queue
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_size: the request is rejected, not queued."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens of this request computed in this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step brings the request's computed tokens level with its known tokens."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    timed_out: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- admission / removal ------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if self.config.max_queue_size is not None and len(self.waiting) >= self.config.max_queue_size:
+            raise QueueFullError(
+                f"overloaded: {len(self.waiting)} requests waiting (max_queue_size={self.config.max_queue_size})")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Finish a request in any live state; its blocks go back to the pool at once."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.set_status(status)
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._expire_deadlines(out)
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+
+        # 1. Running requests, in admission order. Preemption takes victims from the other end.
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            # A victim scheduled earlier in this step gives its tokens back.
+            budget = self.config.max_num_batched_tokens - out.num_tokens
+            if req.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+        # 2. Waiting requests, unless this step already had to preempt (no room to spare).
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit_tokens = ([], 0)
+            if req.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.pop()
+            if self.kv.enable_caching:
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+            if req.status == RequestStatus.PREEMPTED:
+                req.set_status(RequestStatus.WAITING)
+            else:
+                req.num_cached_tokens = num_hit_tokens
+            req.set_status(RequestStatus.RUNNING)
+            req.num_computed_tokens = num_hit_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            # Lowest priority = largest value; among equals, the latest arrival yields.
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.set_status(RequestStatus.PREEMPTED)
+        req.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # The victim may already be in this step's list (it was served before the request that needed room).
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        out.preempted.append(req)
+        self.waiting.add_front(req)
+
+    def _expire_deadlines(self, out: SchedulerOutput) -> None:
+        now = time.monotonic()
+        expired = [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]
+        for req in expired:
+            self.finish_request(req, RequestStatus.FINISHED_TIMEOUT)
+            out.timed_out.append(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress counters; append the tokens sampled for requests that reached their end.
+        Returns the requests that got a new token."""
+        got_token = []
+        for s in out.scheduled:
+            req = s.request
+            samples = s.samples
+            req.num_computed_tokens += s.num_tokens
+            self.kv.cache_computed_blocks(req)
+            if samples:
+                req.append_output_token(sampled[req.request_id])
+                got_token.append(req)
+        return got_token

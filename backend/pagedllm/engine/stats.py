@@ -1,0 +1,24 @@
+"""Engine statistics: a snapshot a caller (tests, the Triton adapter, metrics) can read at any time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int  # usable blocks (the null block excluded)
+    num_blocks_free: int
+    kv_cache_usage: float  # fraction of usable blocks in use
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    prompt_tokens: int  # prompt tokens computed (recomputation after preemption included)
+    generation_tokens: int
+    num_steps: int
+    attention_backend: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)

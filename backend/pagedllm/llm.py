@@ -1,0 +1,72 @@
+"""The offline API, shaped like vLLM's: `LLM(model=DIR, ...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.engine import LLMEngine, PromptType
+from pagedllm.engine.stats import EngineStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Engine arguments are keyword arguments: dtype, block_size, kv_cache_memory_bytes, max_num_seqs,
+    max_num_batched_tokens, max_model_len, seed, enable_prefix_caching, enable_chunked_prefill,
+    scheduling_policy, attention_backend, ... (see pagedllm.config)."""
+
+    def __init__(self, model: str, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        timeout: float | Sequence[float | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs come back in input order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError without side effects.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), n,
+                             "sampling_params")
+        priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
+        timeouts = _per_prompt(timeout, n, "timeout")
+        for p in prompts:
+            self.engine._validate_prompt(self.engine.tokenize(p)[1])
+        ids = [self.engine.add_request(p, sp, priority=pr, timeout=t)
+               for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=n, desc="Processed prompts", disable=not use_tqdm)
+        while len(results) < n:
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+        return list(value)
+    return [value] * n

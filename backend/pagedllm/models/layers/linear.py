@@ -1,0 +1,21 @@
+"""A linear layer that fuses several checkpoint projections (q/k/v, gate/up) into one matmul."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """Output rows are the concatenation of `output_sizes` shards, loaded one checkpoint tensor each."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+
+    def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
+        start = sum(self.output_sizes[:shard])
+        size = self.output_sizes[shard]
+        if tensor.shape[0] != size:
+            raise ValueError(f"shard {shard}: expected {size} rows, checkpoint has {tensor.shape[0]}")
+        param.data[start:start + size].copy_(tensor)

@@ -1,0 +1,79 @@
+"""Builds a registered model from an HF directory and fills it from (possibly sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.models.registry import resolve_model_class
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    model_cls = resolve_model_class(hf_config)
+    with torch.device(device):
+        model = model_cls(hf_config)
+    model.to(dtype)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: torch.nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    loaded: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                tensor = f.get_tensor(name)
+                target, shard = _map_name(model, name)
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+                param = params[target]
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    modules[target.rsplit(".", 1)[0]].load_shard(param, shard, tensor)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+    _check_complete(params, modules, loaded, tied)
+
+
+def _map_name(model, name: str) -> tuple[str, int | None]:
+    for ckpt, (ours, shard) in model.packed_modules.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), shard
+    return name, None
+
+
+def _check_complete(params, modules, loaded: set[str], tied: bool) -> None:
+    expected = set()
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        module = name.rsplit(".", 1)[0]
+        sizes = getattr(modules[module], "output_sizes", None)
+        expected |= {f"{name}#{i}" for i in range(len(sizes))} if sizes else {name}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

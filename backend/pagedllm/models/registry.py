@@ -1,0 +1,58 @@
+"""Model registry keyed by config.json `architectures[0]`.
+
+In-tree families are registered here; out-of-tree ones call `register_model` or declare an entry point in
+the `pagedllm.models` group (name = architecture, value = "module:Class"), loaded on first lookup.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen3 import Qwen3ForCausalLM
+
+_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+_entry_points_loaded = False
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def register_model(architecture: str, model_cls: type) -> None:
+    _REGISTRY[architecture] = model_cls
+
+
+def supported_architectures() -> list[str]:
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def resolve_model_class(config) -> type:
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise UnsupportedArchitectureError(
+            f"config.json has no 'architectures'; supported: {', '.join(supported_architectures())}")
+    _load_entry_points()
+    arch = archs[0]
+    if arch not in _REGISTRY:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())} "
+            "(register more with pagedllm.models.register_model or the 'pagedllm.models' entry-point group)")
+    return _REGISTRY[arch]
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group="pagedllm.models"):
+        _REGISTRY.setdefault(ep.name, ep.load())

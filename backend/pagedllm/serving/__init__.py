@@ -1,0 +1,1 @@
+"""Adapters that put the engine behind a server (Triton's Python backend)."""

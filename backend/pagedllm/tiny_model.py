@@ -1,0 +1,112 @@
+"""`pagedllm make-tiny-model`: a complete HF-style model directory made offline.
+
+Seeded random weights (scaled so logits are peaked: greedy decoding is then stable against rounding, which
+token-identical tests against transformers need), and a byte-level BPE tokenizer trained on local text (the
+Python standard library's sources), so no model hub is ever needed.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+
+import torch
+
+SIZES = {
+    # name: hidden, intermediate, layers, heads, kv heads, tokenizer vocab
+    "tiny": (128, 256, 2, 4, 2, 2048),
+    "small": (256, 688, 4, 4, 2, 32000),
+    "125m": (768, 2048, 12, 12, 4, 32000),
+}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SPECIALS = ["<s>", "</s>", "<pad>"]
+
+
+def training_corpus(max_bytes: int) -> list[str]:
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    texts, total = [], 0
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    # A little non-ASCII text so multi-byte characters get tokens of their own (and split ones).
+    texts.append("naïve café déjà vu — 東京 北京 Ωμέγα ∑∫√ 😀🚀 " * 50)
+    return texts
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(training_corpus(max_bytes=vocab_size * 600), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def hf_config(arch: str, size: str, vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    hidden, inter, layers, heads, kv, _ = SIZES[size]
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, rms_norm_eps=1e-6)
+    if arch == "llama":
+        # Llama-3-style rope scaling, so the scaled path is exercised.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        return LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=hidden // heads, tie_word_embeddings=True)
+    raise ValueError(f"--arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
+
+
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Variance-preserving projections and unit-scale embeddings: the output distribution is peaked."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:  # biases
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (3.0 / math.sqrt(p.shape[1])))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+
+
+def make_tiny_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
+                    dtype: str = "float32", max_shard_size: str | None = None) -> str:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if size not in SIZES:
+        raise ValueError(f"--size: expected one of {', '.join(SIZES)}, got {size!r}")
+    tokenizer = build_tokenizer(SIZES[size][5])
+    config = hf_config(arch, size, len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    init_weights(model, seed)
+    model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs everything pagedllm needs into .venv/ (idempotent). The venv must come from the system
+# /usr/bin/python3.11: Triton's python-backend stub links the system libpython3.11 (docs/ARCHITECTURE.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=/usr/bin/python3.11
+if [ ! -x "$PY" ]; then
+  echo "installing python3.11 from the system packages" >&2
+  apt-get update -qq && apt-get install -y -qq python3.11 python3.11-venv libpython3.11 >/dev/null
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.pagedllm-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[serve,test]'
+  touch "$stamp"
+fi

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny HF-style model directories made offline, once per test session."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from pagedllm.tiny_model import make_tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """model_dir(arch) -> path of a tiny fp32 model of that family (made on first use)."""
+    made: dict[str, str] = {}
+
+    def get(arch: str = "llama", **kwargs) -> str:
+        key = arch + repr(sorted(kwargs.items()))
+        if key not in made:
+            path = str(tmp_path_factory.mktemp(f"model_{arch}"))
+            made[key] = make_tiny_model(path, arch=arch, **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dir):
+    return model_dir("llama")
+
+
+def random_prompts(lengths, vocab=2048, seed=0) -> list[list[int]]:
+    """Prompts of random token ids (BOS first, specials excluded)."""
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(3, vocab) for _ in range(n - 1)] for n in lengths]
+
+
+def assert_all_blocks_free(llm) -> None:
+    stats = llm.get_stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_blocks_free == stats.num_blocks_total, stats
+    assert llm.engine.kv.all_free()
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

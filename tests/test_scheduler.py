@@ -1,0 +1,160 @@
+"""Scheduler and KV-cache-manager unit tests on CPU with a dozen blocks: exact block ids, budgets,
+preemption order and status transitions (no model involved)."""
+
+import pytest
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import InvalidTransition, Request, RequestStatus
+from pagedllm.engine.scheduler import QueueFullError, Scheduler
+from pagedllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_req(rid, n, priority=0, arrival=None, tokens=None):
+    ids = tokens if tokens is not None else [100 + i for i in range(n)]
+    return Request(str(rid), ids, SamplingParams(temperature=0), {1}, BS, priority=priority,
+                   arrival_time=arrival, max_tokens=1000)
+
+
+def make_sched(num_blocks=13, budget=64, max_seqs=8, chunked=True, policy="fcfs", caching=True, queue=None):
+    kv = KVCacheManager(num_blocks, BS, caching)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                          scheduling_policy=policy, max_queue_size=queue)
+    return Scheduler(cfg, kv, max_model_len=1000), kv
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled})
+    return out
+
+
+def test_blocks_grow_one_at_a_time_with_exact_ids():
+    sched, kv = make_sched()
+    r = make_req("a", 6)
+    sched.add_request(r)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 6)]
+    assert kv.block_ids("a") == [1, 2]  # 6 tokens -> 2 blocks of 4, nothing reserved beyond
+    run_step(sched)  # token 7 (index 6) computed: still 2 blocks
+    assert kv.block_ids("a") == [1, 2]
+    run_step(sched)  # index 7
+    run_step(sched)  # index 8 needs a third block
+    assert kv.block_ids("a") == [1, 2, 3]
+    assert r.num_computed_tokens == 9 and r.num_tokens == 10
+    sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+    # freed tail first: 3, 2, 1 at the queue's tail
+    assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 2, 1]
+    assert kv.all_free()
+
+
+def test_token_budget_chunks_a_long_prompt_and_keeps_decodes_running():
+    sched, kv = make_sched(num_blocks=40, budget=8)
+    a = make_req("a", 3)
+    sched.add_request(a)
+    run_step(sched)  # a prefilled, now decoding
+    b = make_req("b", 20)
+    sched.add_request(b)
+    chunks = []
+    while b.num_output_tokens == 0:
+        out = run_step(sched)
+        sizes = {s.request.request_id: s.num_tokens for s in out.scheduled}
+        assert sizes["a"] == 1  # a decodes every step while b's prompt is chunked
+        chunks.append(sizes["b"])
+        assert out.num_tokens <= 8
+    assert chunks == [7, 7, 6]
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room():
+    sched, kv = make_sched(num_blocks=40, budget=8, chunked=False)
+    sched.add_request(make_req("a", 3))
+    sched.add_request(make_req("b", 8))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a"]  # b (8) does not fit next to a (3)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1)]
+
+
+def test_preemption_takes_the_most_recently_admitted_and_recomputes():
+    sched, kv = make_sched(num_blocks=7, budget=64)  # 6 usable blocks
+    a, b = make_req("a", 8), make_req("b", 8)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # a: blocks 1,2 ; b: blocks 3,4 ; both get a token (9 tokens each)
+    assert kv.block_ids("a") == [1, 2] and kv.block_ids("b") == [3, 4]
+    run_step(sched)  # both need a third block: a gets 5, b gets 6
+    assert kv.block_ids("a") == [1, 2, 5] and kv.block_ids("b") == [3, 4, 6]
+    for _ in range(3):
+        run_step(sched)  # 13 tokens each... a needs a 4th block
+    out = sched.schedule()
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert kv.block_ids("b") == [] and [s.request.request_id for s in out.scheduled] == ["a"]
+    assert sched.num_preemptions == 1
+    with pytest.raises(InvalidTransition):
+        b.set_status(RequestStatus.RUNNING)  # PREEMPTED must go through WAITING
+
+
+def test_priority_policy_admits_lowest_value_first_and_preempts_lowest_priority():
+    sched, kv = make_sched(num_blocks=7, budget=64, policy="priority")
+    low = make_req("low", 8, priority=5, arrival=1.0)
+    high = make_req("high", 8, priority=0, arrival=2.0)
+    sched.add_request(low)
+    sched.add_request(high)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["high", "low"]
+    sched.update_from_output(out, {"high": 7, "low": 7})
+    for _ in range(5):  # the 5th step needs a 4th block each: only one can have it
+        out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+
+
+def test_abort_frees_everything_at_once_and_bounded_queue_rejects():
+    sched, kv = make_sched(queue=1)
+    r = make_req("a", 9)
+    sched.add_request(r)
+    with pytest.raises(QueueFullError, match="overloaded"):
+        sched.add_request(make_req("b", 3))
+    run_step(sched)
+    assert kv.block_ids("a") == [1, 2, 3]
+    sched.abort_request("a")
+    assert r.status == RequestStatus.FINISHED_ABORTED and r.status.finish_reason == "abort"
+    assert kv.all_free() and not sched.has_unfinished()
+    with pytest.raises(InvalidTransition):
+        r.set_status(RequestStatus.RUNNING)  # a finished request stays finished
+
+
+def test_prefix_hits_share_blocks_by_ref_count():
+    sched, kv = make_sched(num_blocks=20)
+    shared = [100 + i for i in range(9)]
+    a = make_req("a", 0, tokens=shared + [1])
+    sched.add_request(a)
+    run_step(sched)
+    assert kv.block_ids("a") == [1, 2, 3]
+    b = make_req("b", 0, tokens=shared + [2, 3])
+    sched.add_request(b)
+    out = run_step(sched)
+    # b reuses a's two full blocks; only its 3 remaining tokens are computed
+    assert kv.block_ids("b")[:2] == [1, 2] and b.num_cached_tokens == 8
+    assert {s.request.request_id: s.num_tokens for s in out.scheduled}["b"] == 3
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 1]
+    sched.finish_request(a, RequestStatus.FINISHED_STOPPED)
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [1, 1, 0]
+    sched.finish_request(b, RequestStatus.FINISHED_STOPPED)
+    assert kv.all_free()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    sched, kv = make_sched(num_blocks=20)
+    toks = [100 + i for i in range(8)]
+    sched.add_request(make_req("a", 0, tokens=toks))
+    run_step(sched)
+    run_step(sched)  # 9 tokens computed -> both prompt blocks indexed
+    b = make_req("b", 0, tokens=toks)
+    sched.add_request(b)
+    out = run_step(sched)
+    assert b.num_cached_tokens == 4  # one block of two: the last prompt token must produce logits
+    assert {s.request.request_id: s.num_tokens for s in out.scheduled}["b"] == 4
