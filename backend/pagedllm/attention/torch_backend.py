@@ -15,14 +15,43 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[num_blocks, bs, KVH, D] cache, [..., nb] block ids -> [..., nb*bs, KVH, D] (first num_tokens valid)."""
-    g = cache[block_table]
-    return g.reshape(*block_table.shape[:-1], -1, cache.shape[-2], cache.shape[-1])
+class Workspace:
+    """Reusable scratch buffers. Fresh multi-MB tensors each layer and step would be page-faulted in anew
+    every time (large allocations go straight back to the OS), which measured slower than the copies."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=like.dtype,
+                              device=like.device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_blocks, bs, KVH, D] cache, [rows, nb] block ids -> [rows, nb*bs, KVH, D].
+    index_select on the flattened table measures several times faster than advanced indexing on CPU."""
+    rows, nb = block_table.shape
+    bs, kvh, d = cache.shape[1:]
+    flat = block_table.reshape(-1)
+    if out is None:
+        g = torch.index_select(cache, 0, flat)
+    else:
+        g = torch.index_select(cache, 0, flat, out=out.view(rows * nb, bs, kvh, d))
+    return g.view(rows, nb * bs, kvh, d)
 
 
 class TorchAttention:
     name = "torch"
+
+    def __init__(self) -> None:
+        self.ws = Workspace()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None) -> torch.Tensor:
@@ -37,12 +66,18 @@ class TorchAttention:
         return out
 
     def _decode(self, q, kv_cache, meta, scale, window):
+        """All decode rows at once: gather each row's blocks (padded to the longest), mask the padding."""
         nd, bs = meta.num_decodes, meta.block_size
-        max_len = max(meta.seq_lens_list[:nd])
-        nb = -(-max_len // bs)
+        nb = -(-max(meta.seq_lens_list[:nd]) // bs)
         bt = meta.block_tables[:nd, :nb]
-        keys = gather_kv(kv_cache[0], bt, max_len).transpose(1, 2)  # [nd, KVH, L, D]
-        vals = gather_kv(kv_cache[1], bt, max_len).transpose(1, 2)
+        kvh, d = kv_cache.shape[-2], kv_cache.shape[-1]
+        L = nb * bs
+        gathered = self.ws.get("gather", (nd, L, kvh, d), q)
+        # [nd, KVH, L, D], dense: SDPA's CPU kernels are much faster on contiguous inputs.
+        keys = self.ws.get("keys", (nd, kvh, L, d), q)
+        vals = self.ws.get("vals", (nd, kvh, L, d), q)
+        keys.copy_(gather_kv(kv_cache[0], bt, gathered).transpose(1, 2))
+        vals.copy_(gather_kv(kv_cache[1], bt, gathered).transpose(1, 2))
         pos = torch.arange(nb * bs, device=q.device)
         lens = meta.seq_lens[:nd, None]
         mask = pos[None, :] < lens
@@ -59,8 +94,8 @@ class TorchAttention:
         else:
             nb = -(-ctx // bs)
             bt = meta.block_tables[row, :nb]
-            keys = gather_kv(kv_cache[0], bt, ctx)[:ctx]
-            vals = gather_kv(kv_cache[1], bt, ctx)[:ctx]
+            keys = gather_kv(kv_cache[0], bt[None], self.ws.get("pk", (nb * bs, *k.shape[1:]), k))[0, :ctx]
+            vals = gather_kv(kv_cache[1], bt[None], self.ws.get("pv", (nb * bs, *k.shape[1:]), k))[0, :ctx]
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
         if window is None and ctx == qlen:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)

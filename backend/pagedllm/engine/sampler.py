@@ -29,14 +29,17 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        # Normaliser of the raw distribution; logprobs are taken before any processing.
+        lse = torch.logsumexp(logits, dim=-1)
+        raw = logits.clone() if any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens
+                                    for r in reqs) else logits
         logits = self._apply_penalties_and_masks(logits, reqs)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows)
             token_ids[idx] = self._sample(logits[idx], [reqs[i] for i in random_rows])
-        return self._logprobs(raw_logprobs, token_ids, reqs)
+        return self._logprobs(raw, lse, token_ids, reqs)
 
     def _apply_penalties_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         for i, req in enumerate(reqs):
@@ -68,19 +71,22 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
 
-    def _logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        ranks = (raw > chosen.unsqueeze(1)).sum(dim=1) + 1
+    def _logprobs(self, raw: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor,
+                  reqs: list[Request]) -> list[SampledToken]:
+        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
+        ids, lps = token_ids.tolist(), chosen.tolist()
         out = []
         for i, req in enumerate(reqs):
             n = req.sampling_params.logprobs
-            top = None
-            if n:
-                vals, ids = raw[i].topk(n)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            elif n == 0:
+            rank, top = 1, None
+            if n is not None:  # ranks and top-N only for requests that asked (they cost a pass over the vocab)
+                row = raw[i] - lse[i]
+                rank = int((row > chosen[i]).sum()) + 1
                 top = []
-            out.append(SampledToken(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
+                if n:
+                    vals, top_ids = row.topk(n)
+                    top = list(zip(top_ids.tolist(), vals.tolist()))
+            out.append(SampledToken(ids[i], lps[i], rank, top))
         return out
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.models.layers.norm import RMSNorm
-from pagedllm.models.layers.rotary import RotaryEmbedding
+from pagedllm.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
@@ -30,9 +30,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+    def forward(self, rope, x, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -40,7 +39,8 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope, x, kv_cache, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,11 +79,14 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, **attn_kwargs) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, cache, meta)
+            x = layer(rope, x, cache, meta)
         return self.norm(x)
 
 

@@ -1,0 +1,113 @@
+"""Runs the engine on a thread of its own; other threads talk to it only through a command queue.
+
+The loop: apply queued adds/aborts, run one engine step, hand every output to `on_output`. `on_output` runs on
+the engine thread, so it must only enqueue (the Triton adapter's response thread does the sending).
+If a step raises, the engine is declared dead: every in-flight request gets the error and the loop ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+
+from pagedllm.engine.engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OnOutput = Callable[[str, RequestOutput | None, Exception | None], None]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_output: OnOutput, on_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.on_output = on_output
+        self.on_step = on_step  # called after each step and when going idle (e.g. metrics)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: Exception | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    # --- called from other threads ------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], prompt: str, params: SamplingParams,
+               priority: int = 0, timeout: float | None = None) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error}")
+        self.commands.put(("add", request_id, prompt_token_ids, prompt, params, priority, timeout))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each gets a final "abort" output) and join the thread."""
+        self.commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # --- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                idle = not self.engine.has_unfinished_requests()
+                self._apply_commands(block=idle)
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self.on_output(out.request_id, out, None)
+                if self.on_step is not None:
+                    self.on_step()
+        except Exception as e:  # a step failed: the engine state can no longer be trusted
+            logger.error("engine loop died: %s", traceback.format_exc())
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
+            return
+        for rid in list(self.engine.scheduler.requests):
+            self.on_output(rid, self.engine.abort_request(rid), None)
+        if self.on_step is not None:
+            self.on_step()
+
+    def _apply_commands(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self.commands.get(timeout=0.1) if block else self.commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, ids, prompt, params, priority, timeout = cmd
+                try:
+                    self.engine.add_request({"prompt_token_ids": ids, "prompt": prompt}, params, request_id=rid,
+                                            priority=priority, timeout=timeout)
+                except Exception as e:  # bad input or queue full: this request only
+                    self.on_output(rid, None, e)
+            elif kind == "abort":
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self.on_output(cmd[1], out, None)
+            elif kind == "stop":
+                self._stopping = True
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.on_output(rid, None, err)
+        while True:  # requests still queued as commands
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self.on_output(cmd[1], None, err)

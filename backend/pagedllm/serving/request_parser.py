@@ -1,0 +1,206 @@
+"""Turns one Triton request's input tensors into engine arguments.
+
+Accepts both anchors' tensor contracts so existing tools work unchanged:
+- vllm_backend: text_input, stream, sampling_parameters (JSON; numbers may arrive as strings, as genai-perf
+  sends them), exclude_input_in_output, return_* flags;
+- TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
+  stop_words, min_tokens/min_length, penalties, end_id, return_log_probs, beam_width (1 only);
+- ours: priority, timeout (seconds).
+Pure Python over numpy arrays (no Triton import), so it is unit-testable; every problem raises InvalidRequest
+with a message that names the input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    priority: int = 0
+    timeout: float | None = None
+    returns: set[str] = field(default_factory=set)  # which optional outputs to send
+
+
+# sampling_parameters JSON keys -> (SamplingParams field, type)
+_JSON_PARAMS = {
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "max_tokens": int,
+    "min_tokens": int, "ignore_eos": bool, "logprobs": int, "presence_penalty": float,
+    "frequency_penalty": float, "repetition_penalty": float, "skip_special_tokens": bool, "n": int,
+}
+_JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int}
+# Keys vLLM accepts that change nothing here; accepted so that clients written for vllm_backend keep working.
+_JSON_IGNORED = {"best_of", "include_stop_str_in_output", "spaces_between_special_tokens", "detokenize"}
+
+# TensorRT-LLM-style scalar inputs -> SamplingParams field
+_TENSOR_PARAMS = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "runtime_top_k": "top_k",
+    "top_p": "top_p", "runtime_top_p": "top_p", "seed": "seed", "random_seed": "seed",
+    "min_tokens": "min_tokens", "min_length": "min_tokens", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+}
+_RETURN_FLAGS = {
+    "return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
+    "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens", "return_log_probs": "cumulative_logprob",
+}
+KNOWN_INPUTS = ({"text_input", "stream", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
+                 "stop_words", "bad_words", "end_id", "pad_id", "beam_width", "ignore_eos"}
+                | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
+
+
+def parse_request(inputs: dict[str, np.ndarray]) -> ParsedRequest:
+    unknown = set(inputs) - KNOWN_INPUTS
+    if unknown:
+        raise InvalidRequest(f"unknown input(s): {', '.join(sorted(unknown))}")
+    if "text_input" not in inputs:
+        raise InvalidRequest("text_input: is required")
+    prompt = _text(inputs["text_input"], "text_input")
+    if not prompt:
+        raise InvalidRequest("text_input: is empty")
+
+    kwargs: dict = {}
+    if "sampling_parameters" in inputs:
+        kwargs.update(_parse_sampling_json(_text(inputs["sampling_parameters"], "sampling_parameters")))
+    for name, target in _TENSOR_PARAMS.items():
+        if name in inputs:
+            kwargs[target] = _scalar(inputs[name], name, float if target in _FLOAT_FIELDS else int)
+    if "stop_words" in inputs:
+        kwargs["stop"] = kwargs.get("stop", []) + _string_list(inputs["stop_words"], "stop_words")
+    if "bad_words" in inputs and _string_list(inputs["bad_words"], "bad_words"):
+        raise InvalidRequest("bad_words: is not supported")
+    if "end_id" in inputs:
+        kwargs["stop_token_ids"] = kwargs.get("stop_token_ids", []) + [_scalar(inputs["end_id"], "end_id", int)]
+    if "ignore_eos" in inputs:
+        kwargs["ignore_eos"] = _flag(inputs, "ignore_eos")
+    if "beam_width" in inputs and _scalar(inputs["beam_width"], "beam_width", int) != 1:
+        raise InvalidRequest("beam_width: only 1 is supported")
+    returns = {out for flag, out in _RETURN_FLAGS.items() if _flag(inputs, flag)}
+    if _flag(inputs, "return_log_probs") and kwargs.get("logprobs") is None:
+        kwargs["logprobs"] = 0  # TensorRT-LLM's flag: per-token logprob of the sampled token
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+    timeout = None
+    if "timeout" in inputs:
+        timeout = _scalar(inputs["timeout"], "timeout", float)
+        if not timeout > 0:
+            raise InvalidRequest(f"timeout: must be > 0 seconds, got {timeout}")
+    return ParsedRequest(
+        prompt=prompt,
+        params=params,
+        stream=_flag(inputs, "stream"),
+        exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
+        priority=_scalar(inputs["priority"], "priority", int) if "priority" in inputs else 0,
+        timeout=timeout,
+        returns=returns,
+    )
+
+
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+
+
+def _parse_sampling_json(raw: str) -> dict:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("sampling_parameters: must be a JSON object")
+    out: dict = {}
+    for key, value in obj.items():
+        if key in _JSON_IGNORED:
+            continue
+        if key in _JSON_PARAMS:
+            out[key] = None if value is None and key in ("seed", "max_tokens", "logprobs") else \
+                _coerce(value, _JSON_PARAMS[key], f"sampling_parameters.{key}")
+        elif key in _JSON_LIST_PARAMS:
+            values = value if isinstance(value, list) else [value]
+            out[key] = [_coerce(v, _JSON_LIST_PARAMS[key], f"sampling_parameters.{key}") for v in values]
+        else:
+            raise InvalidRequest(f"sampling_parameters: unknown parameter {key!r}")
+    return out
+
+
+def _coerce(value, kind: type, name: str):
+    """Convert JSON values, including numbers and booleans sent as strings ("128", "0.7", "true")."""
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            raise ValueError
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if isinstance(value, bool):
+            raise ValueError
+        if kind is int:
+            f = float(value)
+            if not f.is_integer():
+                raise ValueError
+            return int(f)
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _first(arr: np.ndarray, name: str):
+    a = np.asarray(arr)
+    if a.size != 1:
+        raise InvalidRequest(f"{name}: expected exactly one element, got shape {list(a.shape)}")
+    return a.reshape(-1)[0]
+
+
+def _text(arr: np.ndarray, name: str) -> str:
+    v = _first(arr, name)
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"{name}: is not valid UTF-8 (byte {e.start})") from None
+    if isinstance(v, str):
+        return v
+    raise InvalidRequest(f"{name}: expected a string, got {type(v).__name__}")
+
+
+def _scalar(arr: np.ndarray, name: str, kind: type):
+    v = _first(arr, name)
+    if isinstance(v, (bytes, np.bytes_, str)):
+        raise InvalidRequest(f"{name}: expected a number, got a string")
+    return _coerce(v.item() if hasattr(v, "item") else v, kind, name)
+
+
+def _flag(inputs: dict, name: str) -> bool:
+    if name not in inputs:
+        return False
+    v = _first(inputs[name], name)
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise InvalidRequest(f"{name}: expected a boolean")
+
+
+def _string_list(arr: np.ndarray, name: str) -> list[str]:
+    out = []
+    for v in np.asarray(arr).reshape(-1):
+        s = _text(np.array([v], dtype=object), name)
+        if s:
+            out.append(s)
+    return out

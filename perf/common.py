@@ -1,0 +1,51 @@
+"""Helpers shared by the perf scripts: model directories, matmul peak, JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import torch
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
+    """Make (once) and return a cached perf model directory."""
+    from pagedllm.tiny_model import make_tiny_model
+
+    path = os.path.join(OUT_DIR, "models", f"{arch}-{size}-{dtype}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch=arch, size=size, dtype=dtype)
+    return path
+
+
+def random_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, seconds: float = 1.5) -> float:
+    """Measured FLOP/s of a square matmul on this machine, now (the ceiling for our ratios)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+
+
+def model_flops_per_token(hf_config) -> float:
+    """2 x matmul parameters (attention scores excluded): the usual forward-pass estimate."""
+    h, i, L = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    d = getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads
+    q, kv = hf_config.num_attention_heads * d, hf_config.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return 2.0 * (L * per_layer + h * hf_config.vocab_size)
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
