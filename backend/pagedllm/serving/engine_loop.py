@@ -27,10 +27,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_output: OnOutput, on_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_output: OnOutput,
+                 on_dead: Callable[[Exception], None] | None = None) -> None:
         self.engine = engine
         self.on_output = on_output
-        self.on_step = on_step  # called after each step and when going idle (e.g. metrics)
+        self.on_dead = on_dead  # called once, after in-flight requests got their errors
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.error: Exception | None = None
         self._stopping = False
@@ -67,17 +68,15 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self.on_output(out.request_id, out, None)
-                if self.on_step is not None:
-                    self.on_step()
         except Exception as e:  # a step failed: the engine state can no longer be trusted
             logger.error("engine loop died: %s", traceback.format_exc())
             self.error = e
             self._fail_all(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
             return
         for rid in list(self.engine.scheduler.requests):
             self.on_output(rid, self.engine.abort_request(rid), None)
-        if self.on_step is not None:
-            self.on_step()
 
     def _apply_commands(self, block: bool) -> None:
         while True:

@@ -62,7 +62,9 @@ KNOWN_INPUTS = ({"text_input", "stream", "sampling_parameters", "exclude_input_i
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
 
 
-def parse_request(inputs: dict[str, np.ndarray]) -> ParsedRequest:
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None) -> ParsedRequest:
+    """`parameters` are the request's Triton parameters (HTTP generate puts JSON keys that are not inputs
+    there); they are read as sampling parameters, overridden by `sampling_parameters` and by tensors."""
     unknown = set(inputs) - KNOWN_INPUTS
     if unknown:
         raise InvalidRequest(f"unknown input(s): {', '.join(sorted(unknown))}")
@@ -73,6 +75,8 @@ def parse_request(inputs: dict[str, np.ndarray]) -> ParsedRequest:
         raise InvalidRequest("text_input: is empty")
 
     kwargs: dict = {}
+    if parameters:
+        kwargs.update(_parse_sampling_dict(parameters, "request parameters"))
     if "sampling_parameters" in inputs:
         kwargs.update(_parse_sampling_json(_text(inputs["sampling_parameters"], "sampling_parameters")))
     for name, target in _TENSOR_PARAMS.items():
@@ -122,6 +126,10 @@ def _parse_sampling_json(raw: str) -> dict:
         raise InvalidRequest(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("sampling_parameters: must be a JSON object")
+    return _parse_sampling_dict(obj, "sampling_parameters")
+
+
+def _parse_sampling_dict(obj: dict, where: str) -> dict:
     out: dict = {}
     for key, value in obj.items():
         if key in _JSON_IGNORED:
@@ -133,7 +141,7 @@ def _parse_sampling_json(raw: str) -> dict:
             values = value if isinstance(value, list) else [value]
             out[key] = [_coerce(v, _JSON_LIST_PARAMS[key], f"sampling_parameters.{key}") for v in values]
         else:
-            raise InvalidRequest(f"sampling_parameters: unknown parameter {key!r}")
+            raise InvalidRequest(f"{where}: unknown parameter {key!r}")
     return out
 
 

@@ -1,0 +1,187 @@
+"""`pagedllm serve`: lay out a backends directory and a model repository, then run the real tritonserver.
+
+The tritonserver binary and its Python backend come from the `nvidia-pytriton` wheel. The backend's stub
+links the system libpython3.11 and takes its packages from the virtual environment whose `python3` is first
+on PATH, so the server is started with this interpreter's venv first on PATH, and with cwd `/` (the stub puts
+'' first on sys.path, so a cwd inside a model directory could shadow model.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+MODEL_TEMPLATE = REPO_ROOT / "model_repository" / "pagedllm"
+DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "default-model"
+STUB_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    python_backend: Path  # dir with libtriton_python.so and triton_python_backend_utils.py
+    stub: Path
+    lib_dirs: list[Path]
+
+
+def find_triton() -> TritonInstall:
+    try:
+        import pytriton
+    except ImportError:
+        raise RuntimeError("tritonserver not found: install the 'serve' extra (nvidia-pytriton)") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(root / "bin" / "tritonserver", root / "backends" / "python",
+                         root / "python_backend_stubs" / STUB_PYTHON / "triton_python_backend_stub",
+                         [p for p in (libs, root / "external_libs") if p.exists()])
+
+
+def prepare_backends(dest: Path, install: TritonInstall | None = None) -> Path:
+    """A --backend-directory holding the python backend and the stub for this Python version."""
+    install = install or find_triton()
+    py = dest / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for src in (install.python_backend / "libtriton_python.so",
+                install.python_backend / "triton_python_backend_utils.py", install.stub):
+        target = py / src.name
+        if not target.exists():
+            shutil.copy2(src, target)
+    return dest
+
+
+def prepare_model_repository(dest: Path, model_dir: str, engine_overrides: dict | None = None,
+                             model_name: str = "pagedllm", config_overrides: str = "") -> Path:
+    """Copy the model template to dest/<model_name>, pointing engine.json at model_dir."""
+    target = dest / model_name
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(MODEL_TEMPLATE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    engine_path = target / "1" / "engine.json"
+    engine = json.loads(engine_path.read_text())
+    engine["model"] = str(Path(model_dir).resolve())
+    engine.update(engine_overrides or {})
+    engine_path.write_text(json.dumps(engine, indent=2))
+    config = (target / "config.pbtxt").read_text().replace('name: "pagedllm"', f'name: "{model_name}"')
+    (target / "config.pbtxt").write_text(config + config_overrides)
+    return dest
+
+
+def ensure_default_model(path: Path = DEFAULT_MODEL_DIR) -> Path:
+    if not (path / "config.json").exists():
+        from pagedllm.tiny_model import make_tiny_model
+
+        print(f"making the default model (tiny random Llama) in {path}", flush=True)
+        make_tiny_model(str(path), arch="llama", size="tiny")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(install: TritonInstall) -> dict:
+    env = dict(os.environ)
+    venv_bin = str(Path(sys.executable).parent)
+    env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(p) for p in install.lib_dirs] +
+                                             [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, metrics_port: int,
+                 log_path: Path | None = None, extra_args: list[str] = ()) -> subprocess.Popen:
+    install = find_triton()
+    cmd = [str(install.binary), f"--model-repository={repo}", f"--backend-directory={backends}",
+           f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           "--allow-metrics=true", "--allow-gpu-metrics=false", "--http-address=127.0.0.1",
+           "--grpc-address=127.0.0.1", *extra_args]
+    out = open(log_path, "ab") if log_path else None
+    return subprocess.Popen(cmd, cwd="/", env=server_env(install), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None) -> None:
+    url = f"http://127.0.0.1:{http_port}/v2/" + (f"models/{model}/ready" if model else "health/ready")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"tritonserver not ready after {timeout}s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
+    p.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "serve"),
+                   help="where the model repository and backends directory are laid out")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="override an engine.json entry, e.g. --engine-arg dtype='\"bfloat16\"'")
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def serve(args) -> int:
+    model = args.model or str(ensure_default_model())
+    work = Path(args.workdir)
+    repo = prepare_model_repository(work / "model_repository", model, _parse_overrides(args.engine_arg))
+    backends = prepare_backends(work / "backends")
+    proc = start_server(repo, backends, args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        wait_ready(args.http_port, proc, model="pagedllm")
+        print(f"""
+pagedllm is serving {model}
+  HTTP    http://127.0.0.1:{args.http_port}   (POST /v2/models/pagedllm/generate and /generate_stream)
+  gRPC    127.0.0.1:{args.grpc_port}          (streaming)
+  metrics http://127.0.0.1:{args.metrics_port}/metrics
+Try:
+  curl -s -X POST localhost:{args.http_port}/v2/models/pagedllm/generate \\
+       -d '{{"text_input": "def main():", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
+  .venv/bin/pagedllm-client generate "def main():" --stream --max-tokens 32 --url 127.0.0.1:{args.grpc_port}
+""", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_server(proc)

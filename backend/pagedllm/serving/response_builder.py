@@ -1,0 +1,58 @@
+"""What each Triton response of one request carries, as plain numpy arrays (no Triton import).
+
+Streaming: every response carries the text (and tokens) new since the previous one; the prompt is never
+included. Non-streaming: a single response with the whole text, prefixed by the prompt unless
+exclude_input_in_output (vllm_backend's behaviour). Optional outputs follow the request's return_* flags.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pagedllm.outputs import RequestOutput
+from pagedllm.serving.request_parser import ParsedRequest
+
+
+class ResponseBuilder:
+    def __init__(self, parsed: ParsedRequest, num_input_tokens: int) -> None:
+        self.parsed = parsed
+        self.num_input_tokens = num_input_tokens
+        self.sent_tokens = 0  # output tokens already reported in earlier responses
+
+    def arrays_for(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+        """The output tensors to send for this engine output, or None when nothing is due yet."""
+        c = out.outputs[0]
+        if self.parsed.stream:
+            if not out.delta_text and not out.finished:
+                return None  # nothing printable yet (e.g. half a multi-byte character)
+            text = out.delta_text
+        else:
+            if not out.finished:
+                return None
+            text = c.text if self.parsed.exclude_input_in_output else self.parsed.prompt + c.text
+        new_tokens = c.token_ids[self.sent_tokens:]
+        first_new = self.sent_tokens
+        self.sent_tokens = len(c.token_ids)
+        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+        wanted = self.parsed.returns
+        if "finish_reason" in wanted:
+            arrays["finish_reason"] = np.array([(c.finish_reason or "").encode()], dtype=np.object_)
+        if "cumulative_logprob" in wanted:
+            arrays["cumulative_logprob"] = np.array([c.cumulative_logprob or 0.0], dtype=np.float32)
+        if "num_input_tokens" in wanted:
+            arrays["num_input_tokens"] = np.array([self.num_input_tokens], dtype=np.uint32)
+        if "num_output_tokens" in wanted:
+            arrays["num_output_tokens"] = np.array([len(new_tokens)], dtype=np.uint32)
+        if "logprobs" in wanted:
+            arrays["logprobs"] = np.array([_logprobs_json(c.logprobs, first_new)], dtype=np.object_)
+        return arrays
+
+
+def _logprobs_json(logprobs, start: int) -> bytes:
+    if logprobs is None:
+        return b"null"
+    entries = [{str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for tok, lp in entry.items()} for entry in logprobs[start:]]
+    return json.dumps(entries).encode()

@@ -1,0 +1,71 @@
+"""The engine thread used by the Triton adapter: outputs, per-request errors, abort, and engine death."""
+
+import threading
+
+import pytest
+
+from conftest import assert_all_blocks_free
+from pagedllm import LLM, SamplingParams
+from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
+
+
+class Collector:
+    def __init__(self):
+        self.items, self.done = [], threading.Event()
+        self.finished: dict[str, object] = {}
+
+    def __call__(self, rid, out, err):
+        self.items.append((rid, out, err))
+        if err is not None or out.finished:
+            self.finished[rid] = err or out
+
+
+def wait_for(pred, timeout=60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def llm(llama_dir):
+    return LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, max_queue_size=4)
+
+
+def test_outputs_errors_and_abort(llm):
+    c = Collector()
+    loop = EngineLoop(llm.engine, c)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    loop.submit("a", [0, 5, 6], None, params)
+    loop.submit("dup", [0, 5], None, params)
+    loop.submit("dup", [0, 5], None, params)  # duplicate id: an error for that submission only
+    loop.submit("long", [0, 7], None, SamplingParams(max_tokens=200, ignore_eos=True))
+    wait_for(lambda: "a" in c.finished and "dup" in c.finished)
+    loop.abort("long")
+    wait_for(lambda: "long" in c.finished)
+    assert c.finished["a"].outputs[0].token_ids.__len__() == 8
+    assert c.finished["long"].outputs[0].finish_reason == "abort"
+    errors = [err for rid, _, err in c.items if err is not None]
+    assert len(errors) == 1 and "request_id" in str(errors[0])
+    loop.stop()
+    assert_all_blocks_free(llm)
+
+
+def test_a_failing_step_fails_every_request_and_marks_the_loop_dead(llm, monkeypatch):
+    c = Collector()
+    dead = []
+    loop = EngineLoop(llm.engine, c, on_dead=dead.append)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    loop.submit("x", [0, 5, 6], None, SamplingParams(max_tokens=4))
+    loop.submit("y", [0, 9], None, SamplingParams(max_tokens=4))
+    wait_for(lambda: len(c.finished) == 2)
+    assert all(isinstance(e, EngineDeadError) and "simulated device fault" in str(e) for e in c.finished.values())
+    assert not loop.healthy and len(dead) == 1
+    with pytest.raises(EngineDeadError):
+        loop.submit("z", [0, 1], None, SamplingParams())

@@ -1,0 +1,305 @@
+"""End to end through a real tritonserver over loopback: gRPC streaming, HTTP generate and
+generate_stream, concurrency, cancellation, bad input, genai-perf payloads."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+import triton_server
+from pagedllm import LLM, SamplingParams
+from pagedllm_client import PagedLLMClient
+from pagedllm_client.client import ServerError
+
+pytestmark = pytest.mark.server
+
+ENGINE = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 32}
+PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "naïve café 東京", "class Foo(object):"]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    s = triton_server.start(tmp_path_factory.mktemp("triton"), llama_dir, ENGINE)
+    yield s
+    triton_server.stop(s)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(llama_dir, **ENGINE)
+
+
+def offline_text(llm, prompt, **params):
+    return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("params", [
+    {"temperature": 0, "max_tokens": 40, "ignore_eos": True},
+    {"temperature": 0.8, "top_p": 0.9, "top_k": 100, "seed": 7, "max_tokens": 40, "ignore_eos": True},
+])
+def test_streams_equal_offline_outputs(server, offline, protocol, params):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = PagedLLMClient(url, protocol)
+    for prompt in PROMPTS:
+        expected = offline_text(offline, prompt, **params)
+        got = client.generate(prompt, stream=True, **params)
+        assert got.text == expected.text  # the concatenated deltas
+        assert got.finish_reason == "length" and got.num_output_tokens == 40
+        assert got.num_input_tokens == len(offline.get_tokenizer().encode(prompt))
+        assert len(got.chunks) > 1
+
+
+def _post(server, path, payload):
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/pagedllm/{path}",
+                                 data=json.dumps(payload).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_http_generate_returns_one_response_with_the_prompt_unless_excluded(server, offline):
+    expected = offline_text(offline, PROMPTS[0], temperature=0, max_tokens=12)
+    sp = json.dumps({"temperature": 0, "max_tokens": 12})
+    status, body = _post(server, "generate", {"text_input": PROMPTS[0], "sampling_parameters": sp})
+    assert status == 200
+    out = json.loads(body)
+    assert out["text_output"] == PROMPTS[0] + expected.text
+    assert "finish_reason" not in out and "num_output_tokens" not in out  # only when asked for
+    status, body = _post(server, "generate", {
+        "text_input": PROMPTS[0], "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 12,
+                                                                     "logprobs": 2}),
+        "exclude_input_in_output": True, "return_finish_reason": True, "return_cumulative_logprob": True,
+        "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": True})
+    out = json.loads(body)
+    assert out["text_output"] == expected.text
+    assert out["finish_reason"] == "length" and out["num_output_tokens"] == 12
+    assert out["num_input_tokens"] == len(offline.get_tokenizer().encode(PROMPTS[0]))
+    assert out["cumulative_logprob"] == pytest.approx(expected.cumulative_logprob, abs=1e-3)
+    logprobs = json.loads(out["logprobs"])
+    assert len(logprobs) == 12 and all(str(t) in e for t, e in zip(expected.token_ids, logprobs))
+
+
+def test_sixteen_concurrent_streams_complete_and_free_every_block(server, offline):
+    params = {"temperature": 0, "max_tokens": 60, "ignore_eos": True}
+    prompts = [f"{PROMPTS[i % 4]} # {i}" for i in range(16)]
+    expected = [offline_text(offline, p, **params).text for p in prompts]
+    results: dict[int, str] = {}
+    peak = {"running": 0.0}
+
+    def run(i):
+        results[i] = PagedLLMClient(server.grpc_url if i % 2 else server.http_url,
+                                    "grpc" if i % 2 else "http").generate(prompts[i], **params).text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak["running"] = max(peak["running"], server.scrape().get("pagedllm:num_requests_running", 0))
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(16)] == expected
+    assert peak["running"] > 1  # they really ran together
+    assert server.all_blocks_free(server.wait_metrics(server.all_blocks_free))
+
+
+def test_grpc_cancellation_frees_blocks_and_stops_generating(server):
+    before = server.scrape()["pagedllm:generation_tokens_total"]
+    got = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("pagedllm", _grpc_inputs("def main():", {"max_tokens": 1000, "ignore_eos": True,
+                                                                        "temperature": 0}, stream=True))
+    for _ in range(3):  # generation is under way
+        res, err = got.get(timeout=60)
+        assert err is None
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    m = server.wait_metrics(lambda m: _settled_after(server, m, before))
+    assert _settled_after(server, m, before)
+    assert m["pagedllm:generation_tokens_total"] - before < 1000  # aborted, not run to its 1000 tokens
+
+
+def test_closing_an_sse_connection_cancels_the_request(server):
+    before = server.scrape()["pagedllm:generation_tokens_total"]
+    payload = {"text_input": "import os", "stream": True,
+               "sampling_parameters": json.dumps({"max_tokens": 1000, "ignore_eos": True, "temperature": 0})}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/pagedllm/generate_stream",
+                                 data=json.dumps(payload).encode(), method="POST")
+    resp = urllib.request.urlopen(req, timeout=60)
+    for _ in range(3):
+        assert resp.readline()
+    resp.close()
+    m = server.wait_metrics(lambda m: _settled_after(server, m, before))
+    assert _settled_after(server, m, before)
+    assert m["pagedllm:generation_tokens_total"] - before < 1000
+
+
+def _settled_after(server, m, tokens_before) -> bool:
+    """The metrics show the streamed tokens (so they are fresh) and every block back in the pool."""
+    return m["pagedllm:generation_tokens_total"] - tokens_before >= 3 and server.all_blocks_free(m)
+
+
+def _grpc_inputs(prompt, sampling: dict | None = None, stream: bool = False, **extra):
+    inputs = []
+
+    def add(name, arr, dtype):
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+
+    if prompt is not None:
+        add("text_input", np.array([prompt.encode() if isinstance(prompt, str) else prompt], dtype=np.object_),
+            "BYTES")
+    add("stream", np.array([stream]), "BOOL")
+    if sampling is not None:
+        raw = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
+        add("sampling_parameters", np.array([raw.encode() if isinstance(raw, str) else raw], dtype=np.object_),
+            "BYTES")
+    for name, (arr, dtype) in extra.items():
+        add(name, arr, dtype)
+    return inputs
+
+
+def grpc_call(server, inputs):
+    """One request over a gRPC stream: (concatenated text, error or None)."""
+    got = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("pagedllm", inputs, enable_empty_final_response=True)
+    text = ""
+    try:
+        while True:
+            res, err = got.get(timeout=60)
+            if err is not None:
+                return text, str(err)
+            out = res.as_numpy("text_output")
+            if out is not None:
+                text += out[0].decode()
+            final = res.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return text, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+I32, F32, U64 = np.int32, np.float32, np.uint64
+BAD_INPUTS = [
+    ("missing text_input", None, {"max_tokens": 4}, {}, "text_input"),
+    ("empty prompt", "", {"max_tokens": 4}, {}, "text_input: is empty"),
+    ("non-UTF-8 prompt", b"\xff\xfe\xfa", None, {}, "UTF-8"),
+    ("malformed JSON", "hi", "{max_tokens: 4", {}, "not valid JSON"),
+    ("JSON not an object", "hi", "[1, 2]", {}, "JSON object"),
+    ("unknown parameter", "hi", {"max_tokenz": 4}, {}, "unknown parameter 'max_tokenz'"),
+    ("ill-typed parameter", "hi", {"max_tokens": "many"}, {}, "max_tokens"),
+    ("fractional max_tokens", "hi", {"max_tokens": 2.5}, {}, "max_tokens"),
+    ("max_tokens zero", "hi", {"max_tokens": 0}, {}, "max_tokens"),
+    ("max_tokens negative", "hi", {"max_tokens": -5}, {}, "max_tokens"),
+    ("negative temperature", "hi", {"temperature": -1}, {}, "temperature"),
+    ("top_p out of range", "hi", {"top_p": 1.5}, {}, "top_p"),
+    ("top_k negative", "hi", {"top_k": -3}, {}, "top_k"),
+    ("min_p out of range", "hi", {"min_p": 3}, {}, "min_p"),
+    ("min_tokens above max_tokens", "hi", {"max_tokens": 2, "min_tokens": 5}, {}, "min_tokens"),
+    ("logprobs too many", "hi", {"logprobs": 1000}, {}, "logprobs"),
+    ("bad stop type", "hi", {"stop": [3]}, {}, "stop"),
+    ("n > 1", "hi", {"n": 3}, {}, "n:"),
+    ("prompt longer than max_model_len", "x " * 3000, {"max_tokens": 4}, {}, "max_model_len"),
+    ("tensor max_tokens zero", "hi", None, {"max_tokens": (np.array([0], dtype=I32), "INT32")}, "max_tokens"),
+    ("tensor temperature negative", "hi", None, {"temperature": (np.array([-2.0], dtype=F32), "FP32")},
+     "temperature"),
+    ("beam search", "hi", None, {"beam_width": (np.array([4], dtype=I32), "INT32")}, "beam_width"),
+    ("bad_words unsupported", "hi", None, {"bad_words": (np.array([b"x"], dtype=np.object_), "BYTES")},
+     "bad_words"),
+    ("timeout not positive", "hi", None, {"timeout": (np.array([0.0], dtype=F32), "FP32")}, "timeout"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_over_grpc_gets_a_clear_error(server, case):
+    _, prompt, sampling, extra, message = case
+    text, err = grpc_call(server, _grpc_inputs(prompt, sampling, **extra))
+    assert err is not None and message in err, err
+    good, err = grpc_call(server, _grpc_inputs("def f():", {"max_tokens": 3, "temperature": 0}))
+    assert err is None and good
+
+
+HTTP_BAD = [
+    ("missing text_input", {"sampling_parameters": "{}"}, "text_input"),
+    ("malformed JSON", {"text_input": "hi", "sampling_parameters": "{oops"}, "not valid JSON"),
+    ("unknown parameter", {"text_input": "hi", "sampling_parameters": '{"foo": 1}'}, "unknown parameter"),
+    ("max_tokens zero", {"text_input": "hi", "sampling_parameters": '{"max_tokens": "0"}'}, "max_tokens"),
+    ("empty prompt", {"text_input": ""}, "empty"),
+    ("too long", {"text_input": "x " * 3000}, "max_model_len"),
+    ("ill-typed tensor", {"text_input": "hi", "max_tokens": "ten"}, ""),
+    ("unknown request parameter", {"text_input": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("case", HTTP_BAD, ids=[c[0] for c in HTTP_BAD])
+@pytest.mark.parametrize("path", ["generate", "generate_stream"])
+def test_bad_input_over_http_gets_a_clear_error(server, case, path):
+    _, payload, message = case
+    status, body = _post(server, path, payload)
+    assert status >= 400 or '"error"' in body, body
+    assert message in body
+    status, body = _post(server, "generate", {"text_input": "x", "sampling_parameters": '{"max_tokens": 2}'})
+    assert status == 200
+
+
+def test_no_block_leaks_after_errors(server):
+    assert server.all_blocks_free(server.wait_metrics(server.all_blocks_free))
+
+
+def test_genai_perf_vllm_backend_payload(server):
+    """What genai-perf --backend vllm sends: string-valued sampling_parameters, exclude_input_in_output."""
+    sp = json.dumps({"max_tokens": "16", "min_tokens": "16"})
+    text, err = grpc_call(server, _grpc_inputs("def main():", sp, stream=True, exclude_input_in_output=(
+        np.array([True]), "BOOL")))
+    assert err is None and text
+
+
+def test_genai_perf_tensorrtllm_payload(server, offline):
+    """What genai-perf --backend tensorrtllm sends: text_input, max_tokens, min_length, stream."""
+    inputs = _grpc_inputs("def main():", None, stream=True,
+                          max_tokens=(np.array([16], dtype=I32), "INT32"),
+                          min_length=(np.array([16], dtype=I32), "INT32"))
+    text, err = grpc_call(server, inputs)
+    assert err is None
+    # TensorRT-LLM's default sampling (temperature 1) is random, so check the length through the client.
+    assert text
+    exclude = _grpc_inputs("def main():", None, stream=False, max_tokens=(np.array([8], dtype=I32), "INT32"),
+                           temperature=(np.array([0.0], dtype=F32), "FP32"),
+                           exclude_input_in_output=(np.array([True]), "BOOL"))
+    text, err = grpc_call(server, exclude)
+    assert err is None and text == offline_text(offline, "def main():", temperature=0, max_tokens=8).text
+
+
+def test_stop_words_tensor_and_client_cli(server, offline, capsys):
+    full = offline_text(offline, PROMPTS[1], temperature=0, max_tokens=30, ignore_eos=True).text
+    stop = full[8:11]
+    inputs = _grpc_inputs(PROMPTS[1], {"temperature": 0, "max_tokens": 30, "ignore_eos": True}, stream=True,
+                          stop_words=(np.array([stop.encode()], dtype=np.object_), "BYTES"))
+    text, err = grpc_call(server, inputs)
+    assert err is None and text == full[:full.find(stop)]
+    from pagedllm_client.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", PROMPTS[0], "--stream", "--max-tokens", "10", "--url", server.grpc_url]) == 0
+    assert capsys.readouterr().out == offline_text(offline, PROMPTS[0], temperature=0, max_tokens=10).text + "\n"
+
+
+def test_client_reports_server_errors(server):
+    with pytest.raises(ServerError, match="max_tokens"):
+        PagedLLMClient(server.grpc_url).generate("hi", max_tokens=0)
+    with pytest.raises(ServerError, match="max_tokens"):
+        PagedLLMClient(server.http_url, "http").generate("hi", stream=False, max_tokens=0)

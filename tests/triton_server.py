@@ -1,0 +1,75 @@
+"""Starts a real tritonserver (from the nvidia-pytriton wheel) serving pagedllm on free loopback ports."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedllm.serving import launcher
+
+
+@dataclass
+class Server:
+    proc: object
+    http: int
+    grpc: int
+    metrics: int
+    log: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    def scrape(self) -> dict[str, float]:
+        """pagedllm:* metrics as {name: value} (label sets dropped: one model per server here)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(pagedllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def wait_metrics(self, predicate, timeout: float = 30.0) -> dict[str, float]:
+        """Poll until predicate(metrics) holds (the gauges are published every 100 ms)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.scrape()
+            if predicate(m) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def all_blocks_free(self, m: dict[str, float] | None = None) -> bool:
+        m = m if m is not None else self.scrape()
+        return (m.get("pagedllm:kv_blocks_free") == m.get("pagedllm:kv_blocks_total")
+                and m.get("pagedllm:num_requests_running") == 0 and m.get("pagedllm:num_requests_waiting") == 0)
+
+
+def start(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
+          config_overrides: str = "") -> Server:
+    repo = launcher.prepare_model_repository(workdir / "repo", model_dir, engine_overrides,
+                                             config_overrides=config_overrides)
+    backends = launcher.prepare_backends(workdir / "backends")
+    ports = [launcher.free_port() for _ in range(3)]
+    log = workdir / "tritonserver.log"
+    # A short exit timeout: a client connection left open must not hold the test run for Triton's 30 s.
+    proc = launcher.start_server(repo, backends, *ports, log_path=log,
+                                 extra_args=["--exit-timeout-secs=10", *extra_args])
+    try:
+        launcher.wait_ready(ports[0], proc, model="pagedllm")
+    except Exception:
+        launcher.stop_server(proc)
+        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-4000:]}")
+    return Server(proc, *ports, log)
+
+
+def stop(server: Server) -> None:
+    launcher.stop_server(server.proc)
