@@ -60,3 +60,21 @@ def test_tensors_override_json_and_request_parameters_are_read():
 def test_errors_name_the_problem(inputs, params, message):
     with pytest.raises(InvalidRequest, match=message):
         parse_request(inputs, params)
+
+
+def test_queued_outputs_of_one_request_are_merged_in_order():
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.serving.response_builder import coalesce
+
+    def out(rid, delta, toks, finished=False):
+        c = CompletionOutput(0, "", toks, 0.0, None, "length" if finished else None)
+        return RequestOutput(rid, "p", [1], [c], finished, delta, toks[-1:])
+
+    items = [("a", out("a", "x", [1]), None), ("b", out("b", "q", [9]), None), ("a", out("a", "y", [1, 2]), None),
+             ("a", out("a", "z", [1, 2, 3], True), None)]
+    merged = coalesce(items)
+    assert [m[0] for m in merged] == ["b", "a"]
+    a = merged[1][1]
+    assert a.delta_text == "xyz" and a.delta_token_ids == [1, 2, 3] and a.finished
+    err = RuntimeError("boom")
+    assert coalesce([("a", out("a", "x", [1]), None), ("a", None, err)]) == [("a", None, err)]

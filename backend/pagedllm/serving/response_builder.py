@@ -7,6 +7,7 @@ exclude_input_in_output (vllm_backend's behaviour). Optional outputs follow the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -56,3 +57,17 @@ def _logprobs_json(logprobs, start: int) -> bytes:
     entries = [{str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                 for tok, lp in entry.items()} for entry in logprobs[start:]]
     return json.dumps(entries).encode()
+
+
+def coalesce(items: list) -> list:
+    """When the sender falls behind, several outputs of one request wait in the queue: merge them into one
+    (their text deltas joined, the newest state otherwise), so a busy server sends fewer, larger responses."""
+    merged: dict[str, tuple] = {}
+    for rid, out, err in items:
+        prev = merged.get(rid)
+        if prev is not None and prev[1] is not None and out is not None and prev[2] is None:
+            out = dataclasses.replace(out, delta_text=prev[1].delta_text + out.delta_text,
+                                      delta_token_ids=prev[1].delta_token_ids + out.delta_token_ids)
+        merged.pop(rid, None)  # re-insert: keep the newest item's position
+        merged[rid] = (rid, out, err)
+    return list(merged.values())

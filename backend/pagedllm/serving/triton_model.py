@@ -25,7 +25,7 @@ from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
-from pagedllm.serving.response_builder import ResponseBuilder
+from pagedllm.serving.response_builder import ResponseBuilder, coalesce
 
 logger = logging.getLogger("pagedllm.serving")
 
@@ -124,20 +124,31 @@ class TritonPythonModel:
     def _response_loop(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            try:
-                item = self.responses.get(timeout=CANCEL_SWEEP_S)
-            except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            if item:
+            batch = self._drain()
+            stop = batch and batch[-1] is None
+            for item in coalesce(batch[:-1] if stop else batch):
                 try:
                     self._respond(*item)
                 except Exception:  # one broken response must not stop the others
                     logger.exception("failed to send a response for %s", item[0])
+            if stop:
+                return
             if time.monotonic() - last_sweep >= CANCEL_SWEEP_S:
                 self._sweep_cancellations()
                 last_sweep = time.monotonic()
+
+    def _drain(self) -> list:
+        """Everything queued (waiting up to one sweep interval for the first item)."""
+        try:
+            batch = [self.responses.get(timeout=CANCEL_SWEEP_S)]
+        except queue.Empty:
+            return []
+        while batch[-1] is not None:
+            try:
+                batch.append(self.responses.get_nowait())
+            except queue.Empty:
+                break
+        return batch
 
     def _respond(self, rid, out, err) -> None:
         with self.lock:
@@ -203,3 +214,4 @@ class TritonPythonModel:
             self._send_error(state.sender, "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)
         if self.metrics is not None:
             self.metrics.stop()
+
