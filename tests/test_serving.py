@@ -170,24 +170,33 @@ def _grpc_inputs(prompt, sampling: dict | None = None, stream: bool = False, **e
     return inputs
 
 
-def grpc_call(server, inputs):
-    """One request over a gRPC stream: (concatenated text, error or None)."""
+def grpc_call(server, inputs, outputs=()):
+    """One request over a gRPC stream: (concatenated text, error or None), plus {name: last value} of the
+    named extra outputs when `outputs` is given."""
     got = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     client.async_stream_infer("pagedllm", inputs, enable_empty_final_response=True)
-    text = ""
+    text, extra = "", {}
+
+    def result(err):
+        return (text, err, extra) if outputs else (text, err)
+
     try:
         while True:
             res, err = got.get(timeout=60)
             if err is not None:
-                return text, str(err)
+                return result(str(err))
             out = res.as_numpy("text_output")
             if out is not None:
                 text += out[0].decode()
+            for name in outputs:
+                value = res.as_numpy(name)
+                if value is not None:
+                    extra[name] = value[0].decode() if isinstance(value[0], bytes) else value[0]
             final = res.get_response().parameters.get("triton_final_response")
             if final is not None and final.bool_param:
-                return text, None
+                return result(None)
     finally:
         client.stop_stream()
         client.close()

@@ -55,3 +55,39 @@ def test_unload_with_requests_in_flight_then_reload(llama_dir, tmp_path):
         http.close()
     finally:
         triton_server.stop(server)
+
+
+def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path):
+    import json
+
+    import numpy as np
+
+    from test_serving import _grpc_inputs, grpc_call
+
+    engine = dict(ENGINE, max_num_seqs=1, max_queue_size=1, scheduling_policy="priority")
+    server = triton_server.start(tmp_path, llama_dir, engine)
+    try:
+        long_running = PagedLLMClient(server.grpc_url).stream("def main():", max_tokens=2000, ignore_eos=True)
+        next(long_running)  # A holds the only sequence slot
+        results = {}
+
+        def queued_with_deadline():
+            inputs = _grpc_inputs("import os", {"max_tokens": 5}, stream=False,
+                                  timeout=(np.array([1.0], dtype=np.float32), "FP32"),
+                                  priority=(np.array([3], dtype=np.int32), "INT32"),
+                                  return_finish_reason=(np.array([True]), "BOOL"))
+            results["b"] = grpc_call(server, inputs, outputs=("finish_reason",))
+
+        b = threading.Thread(target=queued_with_deadline)
+        b.start()
+        server.wait_metrics(lambda m: m.get("pagedllm:num_requests_waiting") == 1)
+        text, err = grpc_call(server, _grpc_inputs("x", json.dumps({"max_tokens": 3})))
+        assert err is not None and "overloaded" in err  # C: the queue (max_queue_size=1) holds B
+        b.join(timeout=60)
+        (text, err, extra) = results["b"]
+        # B never started: the non-streaming response is the prompt alone, finished by its deadline
+        assert err is None and extra["finish_reason"] == "timeout" and text == "import os"
+        long_running.close()  # the client cancels A
+        assert server.all_blocks_free(server.wait_metrics(server.all_blocks_free))
+    finally:
+        triton_server.stop(server)

@@ -27,6 +27,17 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic()) of a request's life; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,3 +48,4 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -75,6 +75,7 @@ class PagedLLMClient:
         responses: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        finished = False
         try:
             client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
             while True:
@@ -95,9 +96,11 @@ class PagedLLMClient:
                     if piece:
                         yield piece
                 if final is not None and final.bool_param:
+                    finished = True
                     return
         finally:
-            client.stop_stream()
+            # A consumer that stops reading early (or an error) cancels the request on the server.
+            client.stop_stream(cancel_requests=not finished)
             client.close()
 
     # --- HTTP -----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import SampledToken
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 class RequestState:
@@ -69,5 +69,7 @@ class RequestState:
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
         )
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                 req.last_token_time, req.finished_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             delta_text, delta_tokens, req.num_cached_tokens)
+                             delta_text, delta_tokens, req.num_cached_tokens, metrics)

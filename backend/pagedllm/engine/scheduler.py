@@ -112,8 +112,11 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
 
-        # 2. Waiting requests, unless this step already had to preempt (no room to spare).
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. Waiting requests, unless running ones already had to yield (admitting more would thrash).
+        #    Under the priority policy a waiting request that does not fit preempts running requests of
+        #    lower priority, lowest first.
+        admitting = not out.preempted
+        while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
@@ -123,23 +126,39 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.kv.allocate_slots(req, n, hits):
+            if len(self.running) < self.config.max_num_seqs and self.kv.allocate_slots(req, n, hits):
+                self._admit(req, num_hit_tokens, now)
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                continue
+            victim = self._outranked_by(req)
+            if victim is None:
                 break
-            self.waiting.pop()
-            if self.kv.enable_caching:
-                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
-            if req.status == RequestStatus.PREEMPTED:
-                req.set_status(RequestStatus.WAITING)
-            else:
-                req.num_cached_tokens = num_hit_tokens
-            req.set_status(RequestStatus.RUNNING)
-            req.num_computed_tokens = num_hit_tokens
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
-            budget -= n
+            self._preempt(victim, out)
+            budget = self.config.max_num_batched_tokens - out.num_tokens
         return out
+
+    def _admit(self, req: Request, num_hit_tokens: int, now: float) -> None:
+        self.waiting.pop()
+        if self.kv.enable_caching:
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+        if req.status == RequestStatus.PREEMPTED:
+            req.set_status(RequestStatus.WAITING)
+        else:
+            req.num_cached_tokens = num_hit_tokens
+        req.set_status(RequestStatus.RUNNING)
+        req.num_computed_tokens = num_hit_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+
+    def _outranked_by(self, req: Request) -> Request | None:
+        """Priority policy: the running request that yields to `req` (lowest priority, latest arrival), if
+        it ranks strictly below `req`."""
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return None
+        victim = self._pick_victim()
+        return victim if (victim.priority, victim.arrival_time) > (req.priority, req.arrival_time) else None
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
