@@ -227,3 +227,19 @@ def test_penalties_change_greedy_output_and_stay_deterministic(llm):
                  frequency_penalty=1.0, presence_penalty=1.0).token_ids
     assert pen == again
     assert len(set(pen)) >= len(set(base))  # penalties push away from repeats
+
+
+def test_offline_stats_and_periodic_log_line(llama_dir, caplog):
+    import logging
+
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, log_stats=True, log_stats_interval_s=0.0)
+    with caplog.at_level(logging.INFO, logger="pagedllm.stats"):
+        llm.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert any("Avg generation throughput" in r.message and "KV cache usage" in r.message for r in caplog.records)
+    s = llm.get_stats()
+    assert s.generation_tokens == 10 and s.requests_finished == {"length": 2}
+    quiet = LLM(llama_dir, dtype="float32", max_model_len=128)  # log_stats defaults to off offline
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedllm.stats"):
+        quiet.generate("a", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not [r for r in caplog.records if r.name == "pagedllm.stats"]

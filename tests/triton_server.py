@@ -28,14 +28,18 @@ class Server:
         return f"127.0.0.1:{self.grpc}"
 
     def scrape(self) -> dict[str, float]:
-        """pagedllm:* metrics as {name: value} (label sets dropped: one model per server here)."""
+        """pagedllm:* samples as {name: value}; labels other than model/version stay in the key, e.g.
+        'pagedllm:request_success_total{finished_reason="stop"}' or 'pagedllm:iteration_tokens_count'."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as r:
             text = r.read().decode()
         out = {}
         for line in text.splitlines():
-            m = re.match(r"^(pagedllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+            m = re.match(r"^(pagedllm:[a-z0-9_]+)(?:\{([^}]*)\})? ([0-9.e+-]+|\+Inf)$", line)
             if m:
-                out[m.group(1)] = float(m.group(2))
+                labels = [kv for kv in (m.group(2) or "").split(",") if kv and
+                          not kv.startswith(("model=", "version="))]
+                key = m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")
+                out[key] = float(m.group(3))
         return out
 
     def wait_metrics(self, predicate, timeout: float = 30.0) -> dict[str, float]:

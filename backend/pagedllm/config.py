@@ -54,7 +54,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     attention_backend: str = "auto"
-    log_stats: bool = False
+    log_stats: bool = False  # the periodic one-line engine log
+    log_stats_interval_s: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -17,10 +17,12 @@ from pagedllm.attention.selector import select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import RequestState
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import Sampler
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model
@@ -65,6 +67,9 @@ class LLMEngine:
         self.num_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.requests_finished: dict[str, int] = {}
+        self.observations: Observations | None = None
+        self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
         logger.info("engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.hf_config.architectures[0], self.dtype, num_blocks - 1, cc.block_size, self.max_model_len)
 
@@ -143,8 +148,15 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort_request(request_id)
-        state = self.states.pop(request_id, None)
-        return state.make_output() if req is not None and state is not None else None
+        if req is None or request_id not in self.states:
+            return None
+        return self._finish_output(req)
+
+    def enable_observations(self) -> Observations:
+        """Start recording per-request and per-step measurements (for an exporter to drain)."""
+        if self.observations is None:
+            self.observations = Observations()
+        return self.observations
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -153,9 +165,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r) for r in sched.timed_out]
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.get_stats)
         if sched.is_empty():
             return outputs
         self.num_steps += 1
+        obs = self.observations
+        if obs is not None:
+            obs.add(ITERATION_TOKENS, sched.num_tokens)
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
         logits, sampling_rows = self.runner.execute(sched, self.kv)
@@ -165,6 +182,11 @@ class LLMEngine:
         now = time.monotonic()
         for req in got:
             self.generation_tokens += 1
+            if obs is not None:
+                if req.first_token_time is None:
+                    obs.add(TTFT, now - req.arrival_time)
+                else:
+                    obs.add(ITL, now - req.last_token_time)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             state = self.states[req.request_id]
@@ -178,6 +200,11 @@ class LLMEngine:
         return outputs
 
     def _finish_output(self, req: Request) -> RequestOutput:
+        """The single exit of every request that was queued: stop, length, abort or timeout."""
+        reason = req.status.finish_reason
+        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+        if self.observations is not None:
+            self.observations.request_finished(req)
         return self.states.pop(req.request_id).make_output()
 
     # --- introspection ------------------------------------------------------------------
@@ -195,6 +222,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
             attention_backend=self.backend.name,
+            requests_finished=dict(self.requests_finished),
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -19,6 +19,7 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     attention_backend: str
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,9 +1,16 @@
-"""Engine gauges on Triton's metrics port, published from a thread of their own so the engine loop never
-waits on metric calls. Names follow vLLM's with a `pagedllm:` prefix."""
+"""Engine metrics on Triton's metrics port, named like vLLM's with a `pagedllm:` prefix.
+
+A thread of its own publishes every 100 ms: gauges and counters from the engine's stats snapshot, histogram
+observations drained from the engine's queue. The engine loop never waits on a metric call.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
+
+from pagedllm.engine import observations as obs
 
 GAUGES = {
     "num_requests_running": "Requests in the running batch",
@@ -12,45 +19,101 @@ GAUGES = {
     "kv_blocks_total": "Usable KV blocks",
     "kv_blocks_free": "Free KV blocks",
 }
-COUNTERS = {
+# Cumulative EngineStats fields exported as <name>_total counters.
+STAT_COUNTERS = {
     "prompt_tokens": "Prompt tokens computed (recomputation after preemption included)",
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Requests preempted",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache",
 }
+# Counters about requests' fates: rejected and cancelled are counted by the adapter.
+ADAPTER_COUNTERS = {
+    "requests_rejected": "Requests answered with an error before running (bad input, overloaded)",
+    "requests_cancelled": "Requests cancelled by their client",
+    "requests_timed_out": "Requests finished by their deadline",
+}
+_LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0]
+_REQUEST_TIME = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+                 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TOKENS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+HISTOGRAMS = {
+    obs.TTFT: ("Time to first token", _LATENCY),
+    obs.ITL: ("Time between consecutive tokens of a request", _LATENCY),
+    obs.E2E: ("Arrival to finish", _REQUEST_TIME),
+    obs.QUEUE: ("Arrival to first scheduled", _REQUEST_TIME),
+    obs.PREFILL: ("First scheduled to first token", _REQUEST_TIME),
+    obs.DECODE: ("First token to finish", _REQUEST_TIME),
+    obs.PROMPT_TOKENS: ("Prompt length of finished requests", _TOKENS),
+    obs.GENERATION_TOKENS: ("Generated tokens of finished requests", _TOKENS),
+    obs.ITERATION_TOKENS: ("Tokens computed per engine step", _TOKENS),
+}
+FINISH_REASONS = ("stop", "length", "abort", "timeout")
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsPublisher:
-    def __init__(self, pb_utils, engine, labels: dict[str, str], interval_s: float = 0.1) -> None:
+    def __init__(self, pb_utils, engine, labels: dict[str, str],
+                 adapter_counts: Callable[[], dict[str, int]], interval_s: float = 0.1) -> None:
         self.engine = engine
+        self.adapter_counts = adapter_counts
         self.interval_s = interval_s
-        self.families = {name: pb_utils.MetricFamily(name=f"pagedllm:{name}", description=desc,
-                                                     kind=pb_utils.MetricFamily.GAUGE)
-                         for name, desc in GAUGES.items()}
-        self.families.update({name: pb_utils.MetricFamily(name=f"pagedllm:{name}_total", description=desc,
-                                                          kind=pb_utils.MetricFamily.COUNTER)
-                              for name, desc in COUNTERS.items()})
-        self.metrics = {name: fam.Metric(labels=labels) for name, fam in self.families.items()}
-        self.published = {name: 0 for name in COUNTERS}  # counters only go up: publish the deltas
+        self.observations = engine.enable_observations()
+        family = pb_utils.MetricFamily
+
+        def metric(name, desc, kind, extra_labels=None, **kw):
+            fam = family(name=f"pagedllm:{name}", description=desc, kind=kind)
+            self._families.append(fam)  # keep families alive as long as their metrics
+            return fam.Metric(labels={**labels, **(extra_labels or {})}, **kw)
+
+        self._families: list = []
+        self.gauges = {n: metric(n, d, family.GAUGE) for n, d in GAUGES.items()}
+        self.counters = {n: metric(f"{n}_total", d, family.COUNTER)
+                         for n, d in {**STAT_COUNTERS, **ADAPTER_COUNTERS}.items()}
+        success = family(name="pagedllm:request_success_total", description="Finished requests by reason",
+                         kind=family.COUNTER)
+        self._families.append(success)
+        self.success = {r: success.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
+        self.histograms = {n: metric(n, d, family.HISTOGRAM, buckets=b) for n, (d, b) in HISTOGRAMS.items()}
+        self.published: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
         self._thread.start()
 
+    def _advance(self, key: str, metric, value: int) -> None:
+        """Counters only go up: increment by what is new since the last publish."""
+        delta = value - self.published.get(key, 0)
+        if delta > 0:
+            metric.increment(delta)
+            self.published[key] = value
+
     def publish(self) -> None:
-        s = self.engine.get_stats()
-        values = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
-                  "kv_cache_usage_perc": s.kv_cache_usage, "kv_blocks_total": s.num_blocks_total,
-                  "kv_blocks_free": s.num_blocks_free}
-        for name, value in values.items():
-            self.metrics[name].set(value)
-        for name in COUNTERS:
-            value = getattr(s, name)
-            if value > self.published[name]:
-                self.metrics[name].increment(value - self.published[name])
-                self.published[name] = value
+        with self._lock:
+            s = self.engine.get_stats()
+            gauges = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
+                      "kv_cache_usage_perc": s.kv_cache_usage, "kv_blocks_total": s.num_blocks_total,
+                      "kv_blocks_free": s.num_blocks_free}
+            for name, value in gauges.items():
+                self.gauges[name].set(value)
+            for name in STAT_COUNTERS:
+                self._advance(name, self.counters[name], getattr(s, name))
+            adapter = {**self.adapter_counts(), "requests_timed_out": s.requests_finished.get("timeout", 0)}
+            for name, value in adapter.items():
+                self._advance(name, self.counters[name], value)
+            for reason, metric in self.success.items():
+                self._advance(f"success:{reason}", metric, s.requests_finished.get(reason, 0))
+            for name, value in self.observations.drain():
+                self.histograms[name].observe(value)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.publish()
+            try:
+                self.publish()
+            except Exception:  # metrics must never take the model down; say what broke and go on
+                logger.exception("publishing metrics failed")
 
     def stop(self) -> None:
         self._stop.set()

@@ -49,6 +49,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("pagedllm needs `model_transaction_policy { decoupled: true }`")
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         engine_args = self._engine_args(version_dir)
+        metrics_on = engine_args.pop("enable_metrics", True)
         logging.basicConfig(level=logging.INFO, format="[pagedllm] %(levelname)s %(name)s: %(message)s")
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
         # The adapter tokenizes on Triton's thread with its own tokenizer; the engine thread detokenizes
@@ -58,10 +59,13 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.num_rejected = 0
+        self.num_cancelled = 0
         self.metrics = None
-        if self._param("enable_metrics", "true").lower() == "true":
+        if self._param("enable_metrics", "true").lower() == "true" and metrics_on:
             labels = {"model": self.model_name, "version": str(args["model_version"])}
-            self.metrics = MetricsPublisher(pb_utils, self.engine, labels)
+            self.metrics = MetricsPublisher(pb_utils, self.engine, labels, lambda: {
+                "requests_rejected": self.num_rejected, "requests_cancelled": self.num_cancelled})
         self.loop = EngineLoop(self.engine, self._on_output, on_dead=self._on_engine_dead)
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedllm-responses",
                                                 daemon=True)
@@ -104,8 +108,10 @@ class TritonPythonModel:
                 self.inflight[rid] = _InFlight(sender, ResponseBuilder(parsed, len(ids)), triton_id)
             self.loop.submit(rid, ids, parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
         except (InvalidRequest, ValueError) as e:
+            self.num_rejected += 1
             self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
         except EngineDeadError as e:
+            self.num_rejected += 1
             self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE, triton_id)
 
     # --- engine thread -----------------------------------------------------------------------
@@ -156,6 +162,8 @@ class TritonPythonModel:
         if state is None:
             return
         if err is not None:
+            if not isinstance(err, EngineDeadError):  # the engine refused it (overloaded, bad input)
+                self.num_rejected += 1
             code = pb_utils.TritonError.UNAVAILABLE if isinstance(err, (QueueFullError, EngineDeadError)) \
                 else pb_utils.TritonError.INVALID_ARG
             self._finish(rid, state, error=(str(err), code))
@@ -190,6 +198,7 @@ class TritonPythonModel:
         for rid, state in live:
             if state.sender.is_cancelled():
                 state.cancelled = True
+                self.num_cancelled += 1
                 self.loop.abort(rid)
 
     @staticmethod
