@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 import random
 
+import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from pagedllm.tiny_model import make_tiny_model

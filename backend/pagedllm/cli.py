@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="write an HF-style model directory with random weights")
     p.add_argument("dir")
     p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "125m"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "125m", "1b"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-shard-size", default=None, help="e.g. 1MB: write a sharded checkpoint")

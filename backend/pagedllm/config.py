@@ -54,6 +54,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     attention_backend: str = "auto"
+    device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
     log_stats: bool = False  # the periodic one-line engine log
     log_stats_interval_s: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)

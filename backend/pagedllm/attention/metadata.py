@@ -19,6 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_rows, max_blocks] int64, padded with the null block 0
     seq_lens: torch.Tensor  # [num_rows] int64: context length including this step's tokens
     query_start_loc: list[int]  # [num_rows + 1] where each row's tokens start in the flat batch
+    query_start_loc_t: torch.Tensor  # the same, as an int32 tensor on the device (for kernels)
+    max_query_len: int
     seq_lens_list: list[int]
     num_decodes: int
     block_size: int

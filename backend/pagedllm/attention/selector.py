@@ -1,20 +1,150 @@
-"""Chooses the attention backend named in the engine config."""
+"""Attention backend selection.
+
+`auto` builds every available backend, runs each on a mixed decode/prefill batch with the model's real shapes
+(heads, KV heads, head dim, block size, dtype, device), checks its output against the torch reference, and
+keeps the fastest correct one. An explicit name skips the race but is still checked; a backend that cannot be
+built, fails, or is wrong is reported and replaced by the torch reference: never a crash.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttention
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = {"torch": TorchAttention}
+
+def _triton():
+    from pagedllm.attention.triton_backend import TritonAttention
+
+    return TritonAttention()
 
 
-def select_backend(name: str):
-    if name == "auto":
-        name = "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend: unknown backend {name!r}; available: auto, {', '.join(BACKENDS)}")
-    logger.info("attention backend: %s", name)
-    return BACKENDS[name]()
+BUILDERS = {"torch": TorchAttention, "triton": _triton}
+_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+    device: str = "cpu"
+
+
+@dataclass
+class Selection:
+    chosen: str
+    reason: str
+    results: dict[str, dict] = field(default_factory=dict)  # name -> {"ok", "ms" or "error"}
+
+
+# Selections made in this process, by (requested name, shape): a backend's speed on given shapes does not
+# change while the process lives, and engines built again (reloads, tests) need not race again.
+_SELECTIONS: dict[tuple, Selection] = {}
+
+
+def select_backend(name: str, shape: ProbeShape):
+    """Returns (backend, Selection)."""
+    if name != "auto" and name not in BUILDERS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}; available: auto, {', '.join(BUILDERS)}")
+    key = (name, shape, tuple(BUILDERS.items()))
+    if key in _SELECTIONS:
+        selection = _SELECTIONS[key]
+        return BUILDERS[selection.chosen](), selection
+    candidates = list(BUILDERS) if name == "auto" else [name]
+    probe = _make_probe(shape)
+    reference = _run(TorchAttention(), probe, shape)
+    results, built = {}, {}
+    for cand in candidates:
+        try:
+            backend = BUILDERS[cand]()
+            t0 = time.perf_counter()
+            out = _run(backend, probe, shape)
+            first_ms = 1000 * (time.perf_counter() - t0)
+            err = (out.float() - reference.float()).abs().max().item()
+            if not err <= _TOLERANCE[shape.dtype]:
+                raise RuntimeError(f"output differs from the torch reference by {err:.3g}")
+            best = min((r["ms"] for r in results.values() if r["ok"]), default=None)
+            # Far behind already on its first run (e.g. an interpreter): no need to time it again.
+            ms = first_ms if best is not None and first_ms > 10 * best else _time(backend, probe, shape)
+            results[cand] = {"ok": True, "ms": round(ms, 3)}
+            built[cand] = backend
+        except Exception as e:  # unavailable (no GPU, no triton) or wrong: report, do not crash
+            results[cand] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            logger.info("attention backend %s not usable: %s", cand, results[cand]["error"])
+    if built:
+        chosen = min(built, key=lambda c: results[c]["ms"])
+        reason = "fastest correct on the model's shapes" if name == "auto" else "explicitly chosen"
+        backend = built[chosen]
+    else:
+        chosen, reason, backend = "torch", f"fallback: {name} unusable ({results[name]['error']})", TorchAttention()
+        logger.warning("attention backend %s is unusable; falling back to torch", name)
+    selection = Selection(chosen, reason, results)
+    _SELECTIONS[key] = selection
+    logger.info("attention backend: %s (%s); probe results %s", chosen, reason, results)
+    return backend, selection
+
+
+def _make_probe(s: ProbeShape) -> dict:
+    """A mixed batch: 8 decode rows over 8-12 blocks of context and one 48-token chunk after 64 cached
+    tokens, in shuffled blocks."""
+    g = torch.Generator().manual_seed(0)  # CPU generator: tensors are made on the CPU, then moved
+    ctx = [8 * s.block_size + 7 * i for i in range(8)] + [64 + 48]
+    q_lens = [1] * 8 + [48]
+    nbs = [-(-c // s.block_size) for c in ctx]
+    num_blocks = sum(nbs) + 1
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = torch.zeros(len(ctx), max(nbs), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(nbs):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    slots = torch.cat([tables[i, (torch.arange(c - q, c) // s.block_size)] * s.block_size
+                       + torch.arange(c - q, c) % s.block_size for i, (c, q) in enumerate(zip(ctx, q_lens))])
+    t = starts[-1]
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(s.dtype).to(s.device)
+
+    return {"q": rnd(t, s.num_heads, s.head_dim), "k": rnd(t, s.num_kv_heads, s.head_dim),
+            "v": rnd(t, s.num_kv_heads, s.head_dim),
+            "cache": rnd(2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
+            "slots": slots.to(s.device), "tables": tables.to(s.device), "ctx": ctx, "starts": starts,
+            "q_lens": q_lens}
+
+
+def _run(backend, p: dict, s: ProbeShape) -> torch.Tensor:
+    cache = p["cache"].clone()
+    meta = AttentionMetadata(
+        slot_mapping=p["slots"], block_tables=p["tables"], seq_lens=torch.tensor(p["ctx"], device=s.device),
+        query_start_loc=p["starts"], query_start_loc_t=torch.tensor(p["starts"], dtype=torch.int32,
+                                                                    device=s.device),
+        max_query_len=max(p["q_lens"]), seq_lens_list=p["ctx"], num_decodes=8, block_size=s.block_size,
+        backend=backend)
+    with torch.inference_mode():
+        return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window)
+
+
+def _time(backend, p: dict, s: ProbeShape, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        if s.device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _run(backend, p, s)
+        if s.device != "cpu":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]

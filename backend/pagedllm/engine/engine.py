@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from pagedllm.attention.selector import select_backend
+from pagedllm.attention.selector import ProbeShape, select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -45,7 +45,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.hf_config.vocab_size
-        model = load_model(config.model, self.hf_config, self.dtype)
+        self.device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(config.model, self.hf_config, self.dtype, self.device)
 
         cc = config.cache
         num_blocks = cc.kv_cache_memory_bytes // kv_bytes_per_block(self.hf_config, cc.block_size, self.dtype)
@@ -59,8 +60,10 @@ class LLMEngine:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len)
-        self.backend = select_backend(config.attention_backend)
-        self.runner = ModelRunner(model, self.hf_config, num_blocks, cc.block_size, self.dtype, self.backend)
+        self.backend, self.attention_selection = select_backend(config.attention_backend,
+                                                                  self._probe_shape(model))
+        self.runner = ModelRunner(model, self.hf_config, num_blocks, cc.block_size, self.dtype, self.backend,
+                                  self.device)
         self.sampler = Sampler(config.seed)
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -70,10 +73,17 @@ class LLMEngine:
         self.requests_finished: dict[str, int] = {}
         self.observations: Observations | None = None
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
-        logger.info("engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.hf_config.architectures[0], self.dtype, num_blocks - 1, cc.block_size, self.max_model_len)
+        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                    self.hf_config.architectures[0], self.dtype, self.device, num_blocks - 1, cc.block_size,
+                    self.max_model_len)
 
     # --- setup helpers ------------------------------------------------------------------
+    def _probe_shape(self, model) -> ProbeShape:
+        """The attention shapes the backends are raced on: those of the model's first layer."""
+        attn = model.model.layers[0].self_attn
+        return ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.config.cache.block_size,
+                          self.dtype, attn.sliding_window, self.device)
+
     def _resolve_dtype(self, name: str) -> torch.dtype:
         if name != "auto":
             return _DTYPES[name]
@@ -222,6 +232,9 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_steps=self.num_steps,
             attention_backend=self.backend.name,
+            attention_selection={"chosen": self.attention_selection.chosen,
+                                 "reason": self.attention_selection.reason,
+                                 "results": self.attention_selection.results},
             requests_finished=dict(self.requests_finished),
         )
 

@@ -57,6 +57,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(table).to(dev),
             seq_lens=torch.tensor(seq_lens, device=dev),
             query_start_loc=starts,
+            query_start_loc_t=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_tokens for s in rows),
             seq_lens_list=seq_lens,
             num_decodes=sum(1 for s in rows if s.num_tokens == 1),
             block_size=bs,

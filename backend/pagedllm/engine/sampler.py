@@ -29,6 +29,10 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         logits = logits.float()
+        simple = all(r.sampling_params.greedy and r.sampling_params.logprobs is None and
+                     not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens for r in reqs)
+        if logits.device.type != "cpu" and not simple:
+            logits = logits.cpu()  # per-request generators and penalty bookkeeping live on the CPU
         # Normaliser of the raw distribution; logprobs are taken before any processing.
         lse = torch.logsumexp(logits, dim=-1)
         raw = logits.clone() if any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens

@@ -20,6 +20,7 @@ class EngineStats:
     num_steps: int
     attention_backend: str
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    attention_selection: dict = field(default_factory=dict)  # chosen backend, why, and each probe's result
 
     def as_dict(self) -> dict:
         return asdict(self)

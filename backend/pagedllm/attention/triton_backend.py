@@ -1,0 +1,21 @@
+"""Attention through our Triton kernels (pagedllm_kernels): KV store, then one paged-attention launch for
+the whole mixed batch."""
+
+from __future__ import annotations
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from pagedllm_kernels import kv_store, paged_attention  # ImportError: triton missing
+
+        self._kv_store = kv_store
+        self._paged_attention = paged_attention
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+        self._kv_store(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return self._paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc_t, meta.max_query_len, scale, sliding_window)

@@ -1,0 +1,65 @@
+"""Attention backend selection and the Triton backend inside the engine."""
+
+import pytest
+
+from conftest import assert_all_blocks_free, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention import selector
+
+
+def greedy(llm, prompts, n=6):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
+    d = model_dir("qwen3")
+    prompts = random_prompts([5, 40, 17], seed=2)
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    ref = LLM(d, attention_backend="torch", **kw)
+    tri = LLM(d, attention_backend="triton", **kw)
+    assert tri.get_stats().attention_backend == "triton"
+    assert greedy(tri, prompts) == greedy(ref, prompts)  # chunked prefill (budget 32) included
+    assert_all_blocks_free(tri)
+
+
+def test_auto_picks_a_working_backend_and_records_why(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128)
+    sel = llm.get_stats().attention_selection
+    assert sel["chosen"] == llm.get_stats().attention_backend
+    assert sel["results"][sel["chosen"]]["ok"] and sel["results"][sel["chosen"]]["ms"] > 0
+    assert set(sel["results"]) == set(selector.BUILDERS)  # every candidate was tried and reported
+    assert "fastest" in sel["reason"]
+    assert len(greedy(llm, random_prompts([9]))[0]) == 6
+
+
+def test_a_failing_backend_falls_back_with_a_reason(llama_dir, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setitem(selector.BUILDERS, "triton", broken)
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, attention_backend="triton")
+    sel = llm.get_stats().attention_selection
+    assert llm.get_stats().attention_backend == "torch"
+    assert sel["reason"].startswith("fallback") and "no GPU here" in sel["results"]["triton"]["error"]
+    assert len(greedy(llm, random_prompts([9]))[0]) == 6
+
+
+def test_a_wrong_backend_is_rejected(llama_dir, monkeypatch):
+    class Wrong(selector.TorchAttention):
+        name = "wrong"
+
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 1.5
+
+    monkeypatch.setitem(selector.BUILDERS, "wrong", Wrong)
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128)
+    res = llm.get_stats().attention_selection["results"]["wrong"]
+    assert not res["ok"] and "differs" in res["error"]
+    assert llm.get_stats().attention_backend != "wrong"
+
+
+def test_unknown_backend_name_is_an_error(llama_dir):
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(llama_dir, attention_backend="flash9000")
