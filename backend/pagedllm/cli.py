@@ -27,6 +27,19 @@ def _generate(args) -> None:
                           "finish_reason": c.finish_reason}))
 
 
+def _batch(args) -> None:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.batch_runner import run_batch
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+              max_num_seqs=args.max_num_seqs)
+    defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=args.max_tokens)
+    summary = run_batch(llm, args.input, args.output, defaults, prompt_field=args.prompt_field,
+                        id_field=args.id_field, resume=args.resume, show_progress=not args.quiet)
+    print(summary.line(), flush=True)
+
+
 def _serve(args) -> None:
     from pagedllm.serving.launcher import serve
 
@@ -59,6 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-seed", type=int, default=None)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("batch", help="run prompts from a JSONL/CSV/Parquet file; results to JSONL/Parquet")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt-field", default="prompt")
+    p.add_argument("--id-field", default="id", help="row ids (default: the row's index)")
+    p.add_argument("--resume", action="store_true", help="skip ids already in the output")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=None, help="default for rows without max_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_batch)
 
     from pagedllm.serving.launcher import add_serve_arguments
 
