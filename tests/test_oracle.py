@@ -102,3 +102,18 @@ def test_bfloat16_runs_and_mostly_agrees(model_dir, prompts):
     bf16 = ours(LLM(d, dtype="bfloat16", max_model_len=1024), prompts, MAX_TOKENS)
     agree = sum(a[0] == b[0] for a, b in zip(fp32, bf16))
     assert agree >= len(prompts) - 2
+
+
+def test_packed_bf16_linears_change_no_token(model_dir, prompts, monkeypatch):
+    """oneDNN-packed bf16 linears (CPU) must be bit-identical to plain ones: same greedy tokens."""
+    from pagedllm.models import loader
+
+    d = model_dir("qwen2")
+    packed = LLM(d, dtype="bfloat16", max_model_len=1024)
+    n_packed = sum(type(m).__name__ == "PackedLinear" for m in packed.engine.runner.model.modules())
+    monkeypatch.setattr(loader, "pack_linears", lambda model: 0)
+    plain = LLM(d, dtype="bfloat16", max_model_len=1024)
+    if n_packed == 0:
+        pytest.skip("oneDNN packing is not available on this machine")
+    assert n_packed == 4 * 2 + 1  # per layer qkv, o, gate_up, down (2 layers), plus lm_head
+    assert ours(packed, prompts, MAX_TOKENS) == ours(plain, prompts, MAX_TOKENS)

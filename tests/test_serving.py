@@ -68,7 +68,7 @@ def _post(server, path, payload):
 
 
 def test_http_generate_returns_one_response_with_the_prompt_unless_excluded(server, offline):
-    expected = offline_text(offline, PROMPTS[0], temperature=0, max_tokens=12)
+    expected = offline_text(offline, PROMPTS[0], temperature=0, max_tokens=12, logprobs=2)
     sp = json.dumps({"temperature": 0, "max_tokens": 12})
     status, body = _post(server, "generate", {"text_input": PROMPTS[0], "sampling_parameters": sp})
     assert status == 200

@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # None unless the request asked for logprobs (as in vLLM)
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request

@@ -72,12 +72,9 @@ class TorchAttention:
         bt = meta.block_tables[:nd, :nb]
         kvh, d = kv_cache.shape[-2], kv_cache.shape[-1]
         L = nb * bs
-        gathered = self.ws.get("gather", (nd, L, kvh, d), q)
-        # [nd, KVH, L, D], dense: SDPA's CPU kernels are much faster on contiguous inputs.
-        keys = self.ws.get("keys", (nd, kvh, L, d), q)
-        vals = self.ws.get("vals", (nd, kvh, L, d), q)
-        keys.copy_(gather_kv(kv_cache[0], bt, gathered).transpose(1, 2))
-        vals.copy_(gather_kv(kv_cache[1], bt, gathered).transpose(1, 2))
+        # [nd, L, KVH, D] gathered; SDPA reads it through a transposed view: no copy into [nd, KVH, L, D].
+        keys = gather_kv(kv_cache[0], bt, self.ws.get("keys", (nd, L, kvh, d), q)).transpose(1, 2)
+        vals = gather_kv(kv_cache[1], bt, self.ws.get("vals", (nd, L, kvh, d), q)).transpose(1, 2)
         pos = torch.arange(nb * bs, device=q.device)
         lens = meta.seq_lens[:nd, None]
         mask = pos[None, :] < lens

@@ -25,8 +25,8 @@ class RequestState:
     def add_token(self, sampled: SampledToken, with_text: bool = True) -> RequestStatus | None:
         """Record the request's newest token; returns FINISHED_STOPPED if a stop string appeared."""
         req = self.req
-        req.cumulative_logprob += sampled.logprob
         if req.logprobs is not None:
+            req.cumulative_logprob += sampled.logprob
             req.logprobs.append(self._logprob_entry(sampled))
         if not with_text:
             return None
@@ -64,7 +64,7 @@ class RequestState:
             index=0,
             text=self.text[:visible],
             token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
             logprobs=req.logprobs,
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,

@@ -17,9 +17,10 @@ from pagedllm.engine.request import Request
 @dataclass
 class SampledToken:
     token_id: int
-    logprob: float  # under the raw (unprocessed) model distribution
-    rank: int
-    top_logprobs: list[tuple[int, float]] | None  # top-N (token, logprob) when the request asked for them
+    # The rest only for requests that asked for logprobs (None otherwise): under the raw model distribution.
+    logprob: float | None
+    rank: int | None
+    top_logprobs: list[tuple[int, float]] | None
 
 
 class Sampler:
@@ -33,17 +34,16 @@ class Sampler:
                      not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens for r in reqs)
         if logits.device.type != "cpu" and not simple:
             logits = logits.cpu()  # per-request generators and penalty bookkeeping live on the CPU
-        # Normaliser of the raw distribution; logprobs are taken before any processing.
-        lse = torch.logsumexp(logits, dim=-1)
-        raw = logits.clone() if any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens
-                                    for r in reqs) else logits
+        # Logprobs come from the raw (unprocessed) distribution, and only for requests that asked for them.
+        wants = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        raw = logits[wants].clone() if wants else None
         logits = self._apply_penalties_and_masks(logits, reqs)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if random_rows:
             idx = torch.tensor(random_rows)
             token_ids[idx] = self._sample(logits[idx], [reqs[i] for i in random_rows])
-        return self._logprobs(raw, lse, token_ids, reqs)
+        return self._logprobs(raw, wants, token_ids, reqs)
 
     def _apply_penalties_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         for i, req in enumerate(reqs):
@@ -75,22 +75,22 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
 
-    def _logprobs(self, raw: torch.Tensor, lse: torch.Tensor, token_ids: torch.Tensor,
+    def _logprobs(self, raw: torch.Tensor | None, wants: list[int], token_ids: torch.Tensor,
                   reqs: list[Request]) -> list[SampledToken]:
-        chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
-        ids, lps = token_ids.tolist(), chosen.tolist()
-        out = []
-        for i, req in enumerate(reqs):
-            n = req.sampling_params.logprobs
-            rank, top = 1, None
-            if n is not None:  # ranks and top-N only for requests that asked (they cost a pass over the vocab)
-                row = raw[i] - lse[i]
-                rank = int((row > chosen[i]).sum()) + 1
-                top = []
-                if n:
-                    vals, top_ids = row.topk(n)
-                    top = list(zip(top_ids.tolist(), vals.tolist()))
-            out.append(SampledToken(ids[i], lps[i], rank, top))
+        ids = token_ids.tolist()
+        out = [SampledToken(t, None, None, None) for t in ids]
+        if raw is None:
+            return out
+        logprobs = torch.log_softmax(raw, dim=-1)
+        for row, i in enumerate(wants):
+            lp = logprobs[row]
+            chosen = lp[ids[i]]
+            n = reqs[i].sampling_params.logprobs
+            top = []
+            if n:
+                vals, top_ids = lp.topk(n)
+                top = list(zip(top_ids.tolist(), vals.tolist()))
+            out[i] = SampledToken(ids[i], float(chosen), int((lp > chosen).sum()) + 1, top)
         return out
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagedllm.models.layers.packed_linear import pack_linears
 from pagedllm.models.registry import resolve_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,6 +32,7 @@ def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: str = "cpu
         model = model_cls(hf_config)
     model.to(dtype)
     load_weights(model, model_dir)
+    pack_linears(model)  # bf16 on CPU only; a no-op elsewhere
     return model.eval()
 
 

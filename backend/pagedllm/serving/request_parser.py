@@ -93,8 +93,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None)
     if "beam_width" in inputs and _scalar(inputs["beam_width"], "beam_width", int) != 1:
         raise InvalidRequest("beam_width: only 1 is supported")
     returns = {out for flag, out in _RETURN_FLAGS.items() if _flag(inputs, flag)}
-    if _flag(inputs, "return_log_probs") and kwargs.get("logprobs") is None:
-        kwargs["logprobs"] = 0  # TensorRT-LLM's flag: per-token logprob of the sampled token
+    if "cumulative_logprob" in returns and kwargs.get("logprobs") is None:
+        kwargs["logprobs"] = 0  # logprobs are computed only when asked for: ask for the sampled token's
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:

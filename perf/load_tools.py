@@ -1,0 +1,119 @@
+"""Load-test a real pagedllm server with the tools users bring: perf_analyzer (gRPC streaming), genai-perf
+(`--backend vllm` and `--backend tensorrtllm` converters) and locust (SSE and gRPC users). Starts its own
+server on free loopback ports (or uses --grpc-url/--http-url), runs the tool, stops.
+
+    .venv/bin/python perf/load_tools.py perf_analyzer [--concurrency 1,4,16]
+    .venv/bin/python perf/load_tools.py locust [--users 16 --seconds 30]
+    .venv/bin/python perf/load_tools.py genai-perf [--backend vllm|tensorrtllm]
+Installs what each tool needs on first use (apt libb64-0d and pip nvidia-cuda-runtime-cu12 for
+perf_analyzer; pip locust; pip genai-perf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import OUT_DIR, model_dir
+from pagedllm.serving import launcher
+
+VENV = Path(sys.executable).parent
+ENGINE = {"dtype": "bfloat16", "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 64}
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def pip(*pkgs: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *pkgs], check=True)
+
+
+def ensure_perf_analyzer() -> dict:
+    if subprocess.run(["dpkg", "-s", "libb64-0d"], capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libb64-0d"], check=True)
+    lib = VENV.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / \
+        "nvidia" / "cuda_runtime" / "lib"
+    if not (lib / "libcudart.so.12").exists():
+        pip("nvidia-cuda-runtime-cu12")
+    return {**os.environ, "LD_LIBRARY_PATH": f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def run_perf_analyzer(grpc_url: str, args) -> None:
+    env = ensure_perf_analyzer()
+    data = {"data": [{"text_input": [PROMPT], "stream": [True], "exclude_input_in_output": [True],
+                      "sampling_parameters": [json.dumps({"max_tokens": str(args.max_tokens), "ignore_eos": "true"})]}]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(data, f)
+    for c in args.concurrency.split(","):
+        out = subprocess.run([str(VENV / "perf_analyzer"), "-m", "pagedllm", "-i", "grpc", "--streaming",
+                              "-u", grpc_url, "--input-data", f.name, f"--concurrency-range={c}",
+                              "--measurement-interval=8000", "--stability-percentage=50", "--max-trials=3"],
+                             env=env, capture_output=True, text=True, timeout=600)
+        summary = [line.strip() for line in out.stdout.splitlines() if "Concurrency:" in line]
+        print(json.dumps({"tool": "perf_analyzer", "concurrency": int(c), "max_tokens": args.max_tokens,
+                          "returncode": out.returncode, "summary": summary or out.stdout[-800:] + out.stderr[-800:]}),
+              flush=True)
+
+
+def run_genai_perf(grpc_url: str, args) -> None:
+    if shutil.which("genai-perf", path=str(VENV)) is None:
+        pip("genai-perf==0.0.16")
+    tokenizer = model_dir("llama", args.size, "bfloat16")
+    cmd = [str(VENV / "genai-perf"), "profile", "-m", "pagedllm", "--service-kind", "triton", "--backend",
+           args.backend, "--tokenizer", tokenizer, "--streaming", "-u", grpc_url, "--concurrency",
+           args.concurrency.split(",")[-1], "--synthetic-input-tokens-mean", "128", "--output-tokens-mean",
+           str(args.max_tokens), "--measurement-interval", "8000", "--artifact-dir",
+           os.path.join(OUT_DIR, f"genai-perf-{args.backend}")]
+    out = subprocess.run(cmd, env={**ensure_perf_analyzer(), "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                         text=True, timeout=900)
+    print(out.stdout[-4000:], out.stderr[-2000:], flush=True)
+
+
+def run_locust(http_url: str, grpc_url: str, args) -> None:
+    if shutil.which("locust", path=str(VENV)) is None:
+        pip("locust")
+    locustfile = Path(__file__).with_name("locustfile.py")
+    csv_prefix = os.path.join(OUT_DIR, "locust")
+    env = {**os.environ, "PAGEDLLM_GRPC_URL": grpc_url, "PAGEDLLM_MAX_TOKENS": str(args.max_tokens)}
+    out = subprocess.run([str(VENV / "locust"), "-f", str(locustfile), "--headless", "-u", str(args.users),
+                          "-r", str(args.users), "-t", f"{args.seconds}s", "--host", f"http://{http_url}",
+                          "--csv", csv_prefix, "--only-summary"], env=env, capture_output=True, text=True,
+                         timeout=args.seconds + 120)
+    print(out.stdout[-3000:], out.stderr[-3000:], flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tool", choices=["perf_analyzer", "genai-perf", "locust"])
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--backend", default="vllm", choices=["vllm", "tensorrtllm"])
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--seconds", type=int, default=30)
+    args = ap.parse_args()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="pagedllm-load-"))
+    repo = launcher.prepare_model_repository(work / "repo", model_dir("llama", args.size, "bfloat16"), ENGINE)
+    ports = [launcher.free_port() for _ in range(3)]
+    proc = launcher.start_server(repo, launcher.prepare_backends(work / "backends"), *ports,
+                                 log_path=work / "server.log", extra_args=["--exit-timeout-secs=5"])
+    try:
+        launcher.wait_ready(ports[0], proc, model="pagedllm")
+        http, grpc = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+        if args.tool == "perf_analyzer":
+            run_perf_analyzer(grpc, args)
+        elif args.tool == "genai-perf":
+            run_genai_perf(grpc, args)
+        else:
+            run_locust(http, grpc, args)
+    finally:
+        launcher.stop_server(proc)
+
+
+if __name__ == "__main__":
+    main()
