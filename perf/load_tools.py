@@ -6,7 +6,7 @@ server on free loopback ports (or uses --grpc-url/--http-url), runs the tool, st
     .venv/bin/python perf/load_tools.py locust [--users 16 --seconds 30]
     .venv/bin/python perf/load_tools.py genai-perf [--backend vllm|tensorrtllm]
 Installs what each tool needs on first use (apt libb64-0d and pip nvidia-cuda-runtime-cu12 for
-perf_analyzer; pip locust; pip genai-perf).
+perf_analyzer; locust and genai-perf each into a venv of its own under .cache/).
 """
 
 from __future__ import annotations
@@ -59,27 +59,53 @@ def run_perf_analyzer(grpc_url: str, args) -> None:
               flush=True)
 
 
+GENAI_PERF_VENV = Path(__file__).resolve().parents[1] / ".cache" / "genai-perf-venv"
+
+
+def ensure_genai_perf() -> Path:
+    """genai-perf in a venv of its own (its pandas/plotly stack stays out of the engine's venv)."""
+    bin_dir = GENAI_PERF_VENV / "bin"
+    if not (bin_dir / "genai-perf").exists():
+        subprocess.run(["/usr/bin/python3.11", "-m", "venv", str(GENAI_PERF_VENV)], check=True)
+        subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "genai-perf==0.0.16"], check=True)
+    return bin_dir
+
+
 def run_genai_perf(grpc_url: str, args) -> None:
-    if shutil.which("genai-perf", path=str(VENV)) is None:
-        pip("genai-perf==0.0.16")
+    bin_dir = ensure_genai_perf()
     tokenizer = model_dir("llama", args.size, "bfloat16")
-    cmd = [str(VENV / "genai-perf"), "profile", "-m", "pagedllm", "--service-kind", "triton", "--backend",
+    env = {**ensure_perf_analyzer(), "HF_HUB_OFFLINE": "1",
+           "PATH": f"{VENV}:{bin_dir}:{os.environ.get('PATH', '')}"}  # genai-perf calls perf_analyzer
+    cmd = [str(bin_dir / "genai-perf"), "profile", "-m", "pagedllm", "--backend",
            args.backend, "--tokenizer", tokenizer, "--streaming", "-u", grpc_url, "--concurrency",
            args.concurrency.split(",")[-1], "--synthetic-input-tokens-mean", "128", "--output-tokens-mean",
            str(args.max_tokens), "--measurement-interval", "8000", "--artifact-dir",
            os.path.join(OUT_DIR, f"genai-perf-{args.backend}")]
-    out = subprocess.run(cmd, env={**ensure_perf_analyzer(), "HF_HUB_OFFLINE": "1"}, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     print(out.stdout[-4000:], out.stderr[-2000:], flush=True)
 
 
+LOCUST_VENV = Path(__file__).resolve().parents[1] / ".cache" / "locust-venv"
+
+
+def ensure_locust() -> Path:
+    """locust in a venv of its own: it needs a newer geventhttpclient than tritonclient's HTTP client pins."""
+    bin_dir = LOCUST_VENV / "bin"
+    if not (bin_dir / "locust").exists():
+        subprocess.run(["/usr/bin/python3.11", "-m", "venv", str(LOCUST_VENV)], check=True)
+        subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "locust",
+                        "tritonclient[grpc]==2.51.0", "numpy<2"], check=True)
+    return bin_dir
+
+
 def run_locust(http_url: str, grpc_url: str, args) -> None:
-    if shutil.which("locust", path=str(VENV)) is None:
-        pip("locust")
+    bin_dir = ensure_locust()
     locustfile = Path(__file__).with_name("locustfile.py")
     csv_prefix = os.path.join(OUT_DIR, "locust")
-    env = {**os.environ, "PAGEDLLM_GRPC_URL": grpc_url, "PAGEDLLM_MAX_TOKENS": str(args.max_tokens)}
-    out = subprocess.run([str(VENV / "locust"), "-f", str(locustfile), "--headless", "-u", str(args.users),
+    client_src = str(Path(__file__).resolve().parents[1] / "client")  # the client imports no engine code
+    env = {**os.environ, "PAGEDLLM_GRPC_URL": grpc_url, "PAGEDLLM_MAX_TOKENS": str(args.max_tokens),
+           "PYTHONPATH": client_src}
+    out = subprocess.run([str(bin_dir / "locust"), "-f", str(locustfile), "--headless", "-u", str(args.users),
                           "-r", str(args.users), "-t", f"{args.seconds}s", "--host", f"http://{http_url}",
                           "--csv", csv_prefix, "--only-summary"], env=env, capture_output=True, text=True,
                          timeout=args.seconds + 120)
