@@ -3,19 +3,21 @@ at several concurrencies over gRPC streaming, and served ÷ offline throughput o
 
     .venv/bin/python perf/serving.py                 # small Llama (bf16), concurrency 1, 8, 32
     .venv/bin/python perf/serving.py --quick         # tiny model, fewer requests
+Raw TTFT/ITL samples go to perf/out/serving_samples.json (perf/plots.py draws them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
-import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from common import emit, model_dir
+from common import OUT_DIR, emit, model_dir
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving import launcher
 from pagedllm_client import PagedLLMClient
@@ -65,7 +67,9 @@ def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": len(prompts), "output_tokens_per_s": round(tokens[0] / elapsed, 1),
+    samples = {"ttft_s": ttft, "itl_s": itl}
+    return samples, {"concurrency": concurrency, "requests": len(prompts),
+                     "output_tokens_per_s": round(tokens[0] / elapsed, 1),
             "ttft_p50_ms": round(1000 * pct(ttft, 0.5), 1), "ttft_p99_ms": round(1000 * pct(ttft, 0.99), 1),
             "itl_p50_ms": round(1000 * pct(itl, 0.5), 2), "itl_p99_ms": round(1000 * pct(itl, 0.99), 2)}
 
@@ -101,12 +105,14 @@ def main() -> None:
     try:
         launcher.wait_ready(ports[0], proc, model="pagedllm")
         url = f"127.0.0.1:{ports[1]}"
+        results = []
         for c in levels:
             n = max(8, 2 * c) if not args.quick else max(4, c)
             prompts = make_prompts(llm_tok, n, words=64, seed=c)
-            served = run_level(url, prompts, c, max_tokens)
+            samples, served = run_level(url, prompts, c, max_tokens)
             served.update({"engine": "pagedllm-triton", "model": f"llama-{size}", "max_tokens": max_tokens})
             emit(served)
+            results.append({**served, **samples})
             if c == max(levels):
                 launcher.stop_server(proc)  # free the cores for the offline run of the same workload
                 off = offline_tps(path, prompts, max_tokens, c)
@@ -115,6 +121,10 @@ def main() -> None:
                       "served_over_offline": round(served["output_tokens_per_s"] / off, 2)})
     finally:
         launcher.stop_server(proc)
+    # Raw latency samples for perf/plots.py.
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with open(os.path.join(OUT_DIR, "serving_samples.json"), "w") as f:
+        json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""The perf scripts' --quick modes run end to end (their figures are for perf/README.md, not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[1] / "perf"
+
+
+def run(script, *args):
+    out = subprocess.run([sys.executable, str(PERF / script), *args], capture_output=True, text=True,
+                         timeout=600, cwd=PERF.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("script, args, key", [
+    ("throughput.py", ["--quick", "--sizes", "tiny"], "ratio_pagedllm_over_transformers"),
+    ("memory.py", ["--quick"], "concurrency_ratio"),
+])
+def test_quick_mode_prints_its_ratios(script, args, key):
+    records = run(script, *args)
+    values = [r[key] for r in records if key in r]
+    assert values and all(v > 0 for v in values)
