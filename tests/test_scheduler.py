@@ -27,7 +27,7 @@ def make_sched(num_blocks=13, budget=64, max_seqs=8, chunked=True, policy="fcfs"
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    sched.update_from_output(out, {s.request.request_id: token for s in out.scheduled})
+    sched.update_from_output(out, {s.request.request_id: [token] for s in out.scheduled})
     return out
 
 
@@ -105,7 +105,7 @@ def test_priority_policy_admits_lowest_value_first_and_preempts_lowest_priority(
     sched.add_request(high)
     out = sched.schedule()
     assert [s.request.request_id for s in out.scheduled] == ["high", "low"]
-    sched.update_from_output(out, {"high": 7, "low": 7})
+    sched.update_from_output(out, {"high": [7], "low": [7]})
     for _ in range(5):  # the 5th step needs a 4th block each: only one can have it
         out = run_step(sched)
     assert [r.request_id for r in out.preempted] == ["low"]

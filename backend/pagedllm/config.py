@@ -55,6 +55,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    speculative_config: dict | None = None
     log_stats: bool = False  # the periodic one-line engine log
     log_stats_interval_s: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -64,6 +66,10 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        spec = self.speculative_config
+        if spec is not None:
+            _require(isinstance(spec, dict) and spec.get("method") == "ngram", "speculative_config",
+                     f"method must be 'ngram' (the draft-model proposer is not implemented yet), got {spec!r}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

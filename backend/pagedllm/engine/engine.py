@@ -20,13 +20,16 @@ from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import RequestState
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.sampler import Sampler
+from pagedllm.engine.sampler import SampledToken, Sampler
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import RequestOutput
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.stats import SpecDecodeStats
+from pagedllm.spec_decode.verifier import verify
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,12 @@ class LLMEngine:
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
         self.observations: Observations | None = None
+        spec = config.speculative_config
+        self.proposer = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec.get("num_speculative_tokens", 3), spec.get("prompt_lookup_min", 1),
+                                          spec.get("prompt_lookup_max", 3))
+        self.spec_stats = SpecDecodeStats()
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.hf_config.architectures[0], self.dtype, self.device, num_blocks - 1, cc.block_size,
@@ -173,6 +182,8 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r) for r in sched.timed_out]
         if self.stat_logger is not None:
@@ -186,12 +197,11 @@ class LLMEngine:
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
         logits, sampling_rows = self.runner.execute(sched, self.kv)
-        sampled_list = self.sampler(logits, [s.request for s in sampling_rows]) if sampling_rows else []
-        sampled = {s.request.request_id: tok for s, tok in zip(sampling_rows, sampled_list)}
-        got = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
+        emitted = self._sample(logits, sampling_rows)
+        got = self.scheduler.update_from_output(
+            sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
         now = time.monotonic()
         for req in got:
-            self.generation_tokens += 1
             if obs is not None:
                 if req.first_token_time is None:
                     obs.add(TTFT, now - req.arrival_time)
@@ -200,14 +210,54 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             state = self.states[req.request_id]
-            status = check_stop(req, self.max_model_len)
-            # An EOS or stop token ends the request without adding its text (as vLLM does).
-            stopped_by_token = status == RequestStatus.FINISHED_STOPPED
-            status = state.add_token(sampled[req.request_id], with_text=not stopped_by_token) or status
+            tokens = emitted[req.request_id]
+            before = req.num_output_tokens - len(tokens)
+            status = None
+            for j, token in enumerate(tokens):  # several with speculation: stop at the first stop
+                self.generation_tokens += 1
+                status = check_stop(req, self.max_model_len, before + j + 1)
+                # An EOS or stop token ends the request without adding its text (as vLLM does).
+                stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+                status = state.add_token(token, with_text=not stopped_by_token) or status
+                if status is not None:
+                    req.truncate_output(before + j + 1)
+                    break
             if status is not None:
                 self.scheduler.finish_request(req, status)
             outputs.append(self._finish_output(req) if req.is_finished else state.make_output())
         return outputs
+
+    def _sample(self, logits: torch.Tensor, rows) -> dict[str, list[SampledToken]]:
+        """Tokens emitted per request: one from the sampler, or from verifying a request's draft tokens."""
+        starts, at = [], 0
+        for s in rows:
+            starts.append(at)
+            at += 1 + len(s.spec_tokens)
+        plain = [i for i, s in enumerate(rows) if not s.spec_tokens]
+        out: dict[str, list[SampledToken]] = {}
+        if plain:
+            tokens = self.sampler(logits[[starts[i] for i in plain]], [rows[i].request for i in plain])
+            out.update({rows[i].request.request_id: [t] for i, t in zip(plain, tokens)})
+        for i, s in enumerate(rows):
+            k = len(s.spec_tokens)
+            if not k:
+                continue
+            ids = verify(logits[starts[i]:starts[i] + k + 1].float().cpu(), s.spec_tokens, s.request,
+                         self.sampler.generator)
+            self.spec_stats.record(k, len(ids) - 1)
+            out[s.request.request_id] = [SampledToken(t, None, None, None) for t in ids]
+        return out
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for running requests that are decoding and whose outputs verification can cover
+        exactly (no penalties, logprobs or pending min_tokens: those decode one token at a time)."""
+        for req in self.scheduler.running:
+            p = req.sampling_params
+            if (req.num_computed_tokens != req.num_tokens - 1 or p.needs_penalties or p.logprobs is not None
+                    or req.num_output_tokens < p.min_tokens):
+                continue
+            limit = min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, limit)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         """The single exit of every request that was queued: stop, length, abort or timeout."""
@@ -236,6 +286,10 @@ class LLMEngine:
                                  "reason": self.attention_selection.reason,
                                  "results": self.attention_selection.results},
             requests_finished=dict(self.requests_finished),
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_accepted_per_position=list(self.spec_stats.accepted_per_position),
         )
 
     def reset_prefix_cache(self) -> bool:

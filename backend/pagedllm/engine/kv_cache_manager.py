@@ -82,7 +82,8 @@ class KVCacheManager:
             return
         blocks = self.req_blocks.get(request.request_id, ())
         done = self.num_indexed.get(request.request_id, 0)
-        full = request.num_computed_tokens // self.block_size
+        # A stop inside an accepted speculative run can leave fewer known tokens than computed ones.
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for i in range(done, full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_indexed[request.request_id] = max(done, full)

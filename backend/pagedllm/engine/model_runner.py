@@ -32,7 +32,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Returns (logits [num_sampling_rows, vocab], the scheduled entries those rows belong to)."""
+        """Returns (logits, the scheduled entries they belong to, in order): one logit row per sampling entry,
+        or 1 + k rows for an entry carrying k draft tokens (the positions that verify them)."""
         rows = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first (stable)
         input_ids, positions, slots, tables, seq_lens, starts = [], [], [], [], [], [0]
         bs = self.block_size
@@ -41,7 +42,8 @@ class ModelRunner:
             begin, end = req.num_computed_tokens, req.num_computed_tokens + s.num_tokens
             block_ids = np.asarray(kv.block_ids(req.request_id), dtype=np.int64)
             pos = np.arange(begin, end, dtype=np.int64)
-            input_ids.append(np.asarray(req.all_token_ids[begin:end], dtype=np.int64))
+            known = req.all_token_ids[begin:end - len(s.spec_tokens)]
+            input_ids.append(np.asarray(known + s.spec_tokens, dtype=np.int64))
             positions.append(pos)
             slots.append(block_ids[pos // bs] * bs + pos % bs)
             tables.append(block_ids)
@@ -69,5 +71,5 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(rows) if s.samples]
         if not sampling:
             return torch.empty(0), []
-        last = torch.tensor([starts[i + 1] - 1 for i in sampling], device=dev)
-        return self.model.compute_logits(hidden[last]), [rows[i] for i in sampling]
+        picks = [p for i in sampling for p in range(starts[i + 1] - 1 - len(rows[i].spec_tokens), starts[i + 1])]
+        return self.model.compute_logits(hidden[torch.tensor(picks, device=dev)]), [rows[i] for i in sampling]

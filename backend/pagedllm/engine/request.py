@@ -85,6 +85,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
 
@@ -121,6 +122,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens after the first `num_output_tokens` (a stop inside an accepted speculative
+        run). Only for a request about to finish: its KV and block hashes are not rolled back."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]
 
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block, chained to its parent's hash."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -57,14 +58,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.sampling_params.temperature for r in reqs]).unsqueeze(1)
-        logits = logits / temps
-        logits = _top_k_top_p(logits, [r.sampling_params.top_k for r in reqs],
-                               [r.sampling_params.top_p for r in reqs])
-        probs = torch.softmax(logits, dim=-1)
-        min_ps = torch.tensor([r.sampling_params.min_p for r in reqs]).unsqueeze(1)
-        if (min_ps > 0).any():
-            probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = _processed_probs(logits, [r.sampling_params for r in reqs])
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
@@ -92,6 +86,23 @@ class Sampler:
                 top = list(zip(top_ids.tolist(), vals.tolist()))
             out[i] = SampledToken(ids[i], float(chosen), int((lp > chosen).sum()) + 1, top)
         return out
+
+
+def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p: the distribution a non-greedy row is drawn from (one params per row)."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+    logits = _top_k_top_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params])
+    probs = torch.softmax(logits, dim=-1)
+    min_ps = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+    if (min_ps > 0).any():
+        probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Normalised sampling distributions of one request at several positions ([n, V] logits)."""
+    probs = _processed_probs(logits.float(), [params] * logits.shape[0])
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:

@@ -25,12 +25,15 @@ class QueueFullError(RuntimeError):
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens of this request computed in this step
+    num_tokens: int  # tokens of this request computed in this step, draft tokens included
+    spec_tokens: list[int] = field(default_factory=list)  # the draft tokens at the end of those
 
     @property
     def samples(self) -> bool:
-        """True when this step brings the request's computed tokens level with its known tokens."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        """True when this step brings the request's computed tokens level with its known tokens (drafts are
+        computed on top: each gets a logit for its verification)."""
+        return self.request.num_computed_tokens + self.num_tokens - len(self.spec_tokens) == \
+            self.request.num_tokens
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            spec = req.spec_token_ids[:budget - 1] if n == 1 else []  # drafts ride on a decode
+            n += len(spec)
             while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
@@ -109,7 +114,7 @@ class Scheduler:
             budget = self.config.max_num_batched_tokens - out.num_tokens
             if req.status != RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, spec))
             budget -= n
 
         # 2. Waiting requests, unless running ones already had to yield (admitting more would thrash).
@@ -171,6 +176,7 @@ class Scheduler:
         self.kv.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         # The victim may already be in this step's list (it was served before the request that needed room).
@@ -185,16 +191,19 @@ class Scheduler:
             self.finish_request(req, RequestStatus.FINISHED_TIMEOUT)
             out.timed_out.append(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress counters; append the tokens sampled for requests that reached their end.
-        Returns the requests that got a new token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress counters and append the tokens emitted for requests that reached their end (one
+        token, or with speculation the accepted drafts plus one). Returns the requests that got tokens."""
         got_token = []
         for s in out.scheduled:
             req = s.request
-            samples = s.samples
-            req.num_computed_tokens += s.num_tokens
+            tokens = sampled[req.request_id] if s.samples else []
+            # Valid KV this step: the non-draft tokens, plus the drafts that were accepted.
+            req.num_computed_tokens += s.num_tokens - len(s.spec_tokens) + max(0, len(tokens) - 1)
+            req.spec_token_ids = []
+            for t in tokens:
+                req.append_output_token(t)
             self.kv.cache_computed_blocks(req)
-            if samples:
-                req.append_output_token(sampled[req.request_id])
+            if tokens:
                 got_token.append(req)
         return got_token

@@ -21,6 +21,10 @@ class EngineStats:
     attention_backend: str
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     attention_selection: dict = field(default_factory=dict)  # chosen backend, why, and each probe's result
+    spec_decode_num_drafts: int = 0  # verification runs (one request, one step)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft i
 
     def as_dict(self) -> dict:
         return asdict(self)

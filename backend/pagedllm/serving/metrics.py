@@ -26,6 +26,9 @@ STAT_COUNTERS = {
     "num_preemptions": "Requests preempted",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache",
+    "spec_decode_num_drafts": "Speculative verification runs (one request, one step)",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted",
 }
 # Counters about requests' fates: rejected and cancelled are counted by the adapter.
 ADAPTER_COUNTERS = {

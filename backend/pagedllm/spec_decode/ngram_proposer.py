@@ -1,0 +1,30 @@
+"""N-gram (prompt lookup) proposer: if the last n tokens occurred earlier in the request, propose the tokens
+that followed that earlier occurrence (longest n first, latest occurrence first)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3) -> None:
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be >= 1")
+        self.k = num_speculative_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) draft tokens continuing `token_ids`; [] when no n-gram matches."""
+        k = min(self.k, limit)
+        if k <= 0:
+            return []
+        toks = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)  # every earlier n-gram
+            hits = np.flatnonzero((windows == toks[-n:]).all(axis=1))
+            if hits.size:
+                start = hits[-1] + n
+                return toks[start:start + k].tolist()
+        return []
