@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) at batch 1: tokens/s with and without it, in one run, on a
-repetitive workload (continuing a text that repeats itself), with the acceptance rate.
+"""Speculative decoding at batch 1: tokens/s without it, with n-gram prompt lookup and with a draft model made
+of the target's first layers, in one run, on a repetitive workload (continuing a text that repeats itself),
+with acceptance rates.
 
     .venv/bin/python perf/spec_decode.py [--quick]
 """
@@ -11,6 +12,7 @@ import time
 
 from common import emit, model_dir, random_workload
 from pagedllm import LLM, SamplingParams
+from pagedllm.tiny_model import first_layers_model
 
 
 def run(path, prompt, max_tokens, spec):
@@ -36,13 +38,18 @@ def main() -> None:
     prompt = unit * 4  # a text that repeats: what prompt lookup is for
     max_tokens = 64 if args.quick else 256
     base_tokens, base_tps, _ = run(path, prompt, max_tokens, None)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    spec_tokens, spec_tps, s = run(path, prompt, max_tokens, spec)
-    emit({"model": f"llama-{size}", "batch": 1, "max_tokens": max_tokens, "k": args.k,
-          "tokens_per_s_plain": round(base_tps, 1), "tokens_per_s_ngram": round(spec_tps, 1),
-          "speedup": round(spec_tps / base_tps, 2), "identical_greedy_output": base_tokens == spec_tokens,
-          "acceptance_rate": round(s.spec_decode_num_accepted_tokens / max(1, s.spec_decode_num_draft_tokens), 3),
-          "accepted_per_position": s.spec_decode_accepted_per_position, "verification_steps": s.spec_decode_num_drafts})
+    draft = first_layers_model(path, path + "-first2", 2)
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+                         "prompt_lookup_max": 3},
+               "draft_first_2_layers": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}}
+    for name, spec in configs.items():
+        spec_tokens, spec_tps, s = run(path, prompt, max_tokens, spec)
+        emit({"model": f"llama-{size}", "method": name, "batch": 1, "max_tokens": max_tokens, "k": args.k,
+              "tokens_per_s_plain": round(base_tps, 1), "tokens_per_s_spec": round(spec_tps, 1),
+              "speedup": round(spec_tps / base_tps, 2), "identical_greedy_output": base_tokens == spec_tokens,
+              "acceptance_rate": round(s.spec_decode_num_accepted_tokens / max(1, s.spec_decode_num_draft_tokens), 3),
+              "accepted_per_position": s.spec_decode_accepted_per_position,
+              "verification_steps": s.spec_decode_num_drafts})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import Request
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.verifier import verify
+from pagedllm.tiny_model import first_layers_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -123,3 +124,60 @@ def test_seeded_sampling_with_speculation_is_reproducible(model_dir):
 def test_speculative_config_is_validated(llama_dir):
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(llama_dir, speculative_config={"method": "eagle"})
+
+
+def first_layers_draft(model_dir_path, out_dir, layers=1):
+    return first_layers_model(model_dir_path, out_dir, layers)
+
+
+def test_draft_model_greedy_identical_and_self_draft_accepts_everything(model_dir, tmp_path):
+    d = model_dir("llama")
+    prompts = repetitive_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (60, 17, 45, 5, 26, 50)]
+    kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    reference = run(LLM(d, **kw), prompts, params)
+    draft = first_layers_draft(d, str(tmp_path / "draft"))
+    with_draft = LLM(d, speculative_config={"method": "draft_model", "model": draft,
+                                            "num_speculative_tokens": 3}, **kw)
+    assert run(with_draft, prompts, params) == reference
+    s = with_draft.get_stats()
+    assert s.spec_decode_num_draft_tokens > 0
+    assert_all_blocks_free(with_draft)
+    assert not with_draft.engine.proposer.shadows and with_draft.engine.proposer.kv.all_free()
+    itself = LLM(d, speculative_config={"method": "draft_model", "model": d, "num_speculative_tokens": 3}, **kw)
+    assert run(itself, prompts, params) == reference
+    s = itself.get_stats()
+    assert s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens > 0  # a perfect draft
+    assert s.spec_decode_num_drafts < s.generation_tokens / 2
+
+
+def test_draft_model_sampling_and_preemption(model_dir, tmp_path):
+    d = model_dir("llama")
+    draft = first_layers_draft(d, str(tmp_path / "draft"))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=30 * 16384, max_num_batched_tokens=256)
+    prompts = repetitive_prompts()
+    llm = LLM(d, speculative_config=spec, **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    assert run(llm, prompts, greedy) == run(LLM(d, **{**kw, "kv_cache_memory_bytes": 8 << 20}), prompts, greedy)
+    assert llm.get_stats().num_preemptions > 0
+    sampled = SamplingParams(temperature=0.9, seed=4, max_tokens=60, ignore_eos=True)
+    assert run(llm, prompts, sampled) == run(llm, prompts, sampled)  # seeded: reproducible
+    assert_all_blocks_free(llm)
+    assert llm.engine.proposer.kv.all_free()
+
+
+def test_rejection_sampling_with_a_draft_distribution():
+    """With a non-degenerate draft q, accepted-or-resampled first tokens still follow the target p."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5], [0.3, 0.2, 0.1, 0.0, 0.4, 0.5]])
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits[0], -1)
+    q = torch.softmax(torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0, 0.0]), -1)
+    gen = torch.Generator().manual_seed(1)
+    n, counts = 20000, [0] * 6
+    for _ in range(n):
+        draft = int(torch.multinomial(q, 1, generator=gen))
+        counts[verify(logits, [draft], _request(params), gen, q[None])[0]] += 1
+    assert _chi_square(counts, p.tolist(), n) < 20.5
+    naive = [n * float(x) for x in q]  # accepting every draft would reproduce q instead
+    assert _chi_square(naive, p.tolist(), n) > 20.5

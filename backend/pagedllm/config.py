@@ -55,7 +55,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
-    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3} or
+    # {"method": "draft_model", "model": DIR, "num_speculative_tokens": k, "kv_cache_memory_bytes": n}
     speculative_config: dict | None = None
     log_stats: bool = False  # the periodic one-line engine log
     log_stats_interval_s: float = 5.0
@@ -68,8 +69,10 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
         spec = self.speculative_config
         if spec is not None:
-            _require(isinstance(spec, dict) and spec.get("method") == "ngram", "speculative_config",
-                     f"method must be 'ngram' (the draft-model proposer is not implemented yet), got {spec!r}")
+            _require(isinstance(spec, dict) and spec.get("method") in ("ngram", "draft_model"),
+                     "speculative_config", f"method must be 'ngram' or 'draft_model', got {spec!r}")
+            _require(spec.get("method") != "draft_model" or bool(spec.get("model")), "speculative_config",
+                     "the draft_model method needs 'model' (the draft's directory)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

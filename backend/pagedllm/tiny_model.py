@@ -111,3 +111,23 @@ def make_tiny_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed:
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def first_layers_model(src_dir: str, out_dir: str, layers: int) -> str:
+    """Copy of a single-file checkpoint keeping only its first `layers` decoder layers (same tokenizer,
+    embeddings and head): a draft model for speculative decoding whose guesses resemble the target's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = layers
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    weights = load_file(os.path.join(out_dir, "model.safetensors"))
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

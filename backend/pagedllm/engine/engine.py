@@ -27,6 +27,7 @@ from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.models.loader import load_model
 from pagedllm.outputs import RequestOutput
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.stats import SpecDecodeStats
 from pagedllm.spec_decode.verifier import verify
@@ -75,11 +76,7 @@ class LLMEngine:
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
         self.observations: Observations | None = None
-        spec = config.speculative_config
-        self.proposer = None
-        if spec is not None:
-            self.proposer = NgramProposer(spec.get("num_speculative_tokens", 3), spec.get("prompt_lookup_min", 1),
-                                          spec.get("prompt_lookup_max", 3))
+        self.proposer = self._make_proposer(config.speculative_config)
         self.spec_stats = SpecDecodeStats()
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
@@ -87,6 +84,16 @@ class LLMEngine:
                     self.max_model_len)
 
     # --- setup helpers ------------------------------------------------------------------
+    def _make_proposer(self, spec: dict | None):
+        if spec is None:
+            return None
+        k = spec.get("num_speculative_tokens", 3)
+        if spec["method"] == "ngram":
+            return NgramProposer(k, spec.get("prompt_lookup_min", 1), spec.get("prompt_lookup_max", 3))
+        return DraftModelProposer(spec["model"], k, self.dtype, self.device, self.config.cache.block_size,
+                                  spec.get("kv_cache_memory_bytes", self.config.cache.kv_cache_memory_bytes // 4),
+                                  self.vocab_size)
+
     def _probe_shape(self, model) -> ProbeShape:
         """The attention shapes the backends are raced on: those of the model's first layer."""
         attn = model.model.layers[0].self_attn
@@ -242,8 +249,9 @@ class LLMEngine:
             k = len(s.spec_tokens)
             if not k:
                 continue
+            probs = s.request.spec_draft_probs
             ids = verify(logits[starts[i]:starts[i] + k + 1].float().cpu(), s.spec_tokens, s.request,
-                         self.sampler.generator)
+                         self.sampler.generator, None if probs is None else probs[:k])
             self.spec_stats.record(k, len(ids) - 1)
             out[s.request.request_id] = [SampledToken(t, None, None, None) for t in ids]
         return out
@@ -251,18 +259,30 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Draft tokens for running requests that are decoding and whose outputs verification can cover
         exactly (no penalties, logprobs or pending min_tokens: those decode one token at a time)."""
+        wanted = []
         for req in self.scheduler.running:
             p = req.sampling_params
             if (req.num_computed_tokens != req.num_tokens - 1 or p.needs_penalties or p.logprobs is not None
                     or req.num_output_tokens < p.min_tokens):
                 continue
-            limit = min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, limit)
+            wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
+        for req, (tokens, probs) in zip(*self._drafts_for(wanted)):
+            req.spec_token_ids, req.spec_draft_probs = tokens, probs
+
+    def _drafts_for(self, wanted):
+        if isinstance(self.proposer, NgramProposer):
+            found = [(r, (self.proposer.propose(r.all_token_ids, lim), None)) for r, lim in wanted]
+        else:
+            by_id = self.proposer.propose(wanted)
+            found = [(r, by_id[r.request_id]) for r, _ in wanted if r.request_id in by_id]
+        return [r for r, _ in found], [d for _, d in found]
 
     def _finish_output(self, req: Request) -> RequestOutput:
         """The single exit of every request that was queued: stop, length, abort or timeout."""
         reason = req.status.finish_reason
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.drop(req.request_id)
         if self.observations is not None:
             self.observations.request_finished(req)
         return self.states.pop(req.request_id).make_output()

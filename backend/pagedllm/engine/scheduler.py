@@ -176,7 +176,7 @@ class Scheduler:
         self.kv.free(req)
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0  # recompute: prompt and outputs so far are prefilled again
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         # The victim may already be in this step's list (it was served before the request that needed room).
@@ -200,7 +200,7 @@ class Scheduler:
             tokens = sampled[req.request_id] if s.samples else []
             # Valid KV this step: the non-draft tokens, plus the drafts that were accepted.
             req.num_computed_tokens += s.num_tokens - len(s.spec_tokens) + max(0, len(tokens) - 1)
-            req.spec_token_ids = []
+            req.spec_token_ids, req.spec_draft_probs = [], None
             for t in tokens:
                 req.append_output_token(t)
             self.kv.cache_computed_blocks(req)
