@@ -91,3 +91,25 @@ def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path
         assert server.all_blocks_free(server.wait_metrics(server.all_blocks_free))
     finally:
         triton_server.stop(server)
+
+
+def test_speculative_decoding_through_triton(llama_dir, tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    server = triton_server.start(tmp_path, llama_dir, dict(ENGINE, speculative_config=spec))
+    try:
+        prompt = "def main():\n    return main()\n" * 3
+        got = PagedLLMClient(server.grpc_url).generate(prompt, max_tokens=150, ignore_eos=True, temperature=0)
+        offline = LLM(llama_dir, **dict(ENGINE, kv_cache_memory_bytes=16 << 20))
+        want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].text
+        assert got.text == want and got.num_output_tokens == 150
+        m = server.wait_metrics(lambda m: m.get("pagedllm:spec_decode_num_draft_tokens_total", 0) > 0
+                                and server.all_blocks_free(m))
+        accepted = m["pagedllm:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= m["pagedllm:spec_decode_num_draft_tokens_total"]
+        per_pos = sum(v for k, v in m.items() if k.startswith("pagedllm:spec_decode_num_accepted_tokens_per_pos"))
+        assert per_pos == accepted
+    finally:
+        triton_server.stop(server)

@@ -80,6 +80,11 @@ class MetricsPublisher:
         self._families.append(success)
         self.success = {r: success.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
         self.histograms = {n: metric(n, d, family.HISTOGRAM, buckets=b) for n, (d, b) in HISTOGRAMS.items()}
+        per_pos = family(name="pagedllm:spec_decode_num_accepted_tokens_per_pos_total",
+                         description="Draft tokens accepted, by position in the draft", kind=family.COUNTER)
+        self._families.append(per_pos)
+        self._labels = labels
+        self.per_position_family, self.per_position = per_pos, []
         self.published: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -108,6 +113,11 @@ class MetricsPublisher:
                 self._advance(name, self.counters[name], value)
             for reason, metric in self.success.items():
                 self._advance(f"success:{reason}", metric, s.requests_finished.get(reason, 0))
+            while len(self.per_position) < len(s.spec_decode_accepted_per_position):
+                pos = str(len(self.per_position))
+                self.per_position.append(self.per_position_family.Metric(labels={**self._labels, "position": pos}))
+            for i, value in enumerate(s.spec_decode_accepted_per_position):
+                self._advance(f"accepted_pos:{i}", self.per_position[i], value)
             for name, value in self.observations.drain():
                 self.histograms[name].observe(value)
 
