@@ -50,7 +50,7 @@ class LLM:
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         timeouts = _per_prompt(timeout, n, "timeout")
         for p in prompts:
-            self.engine._validate_prompt(self.engine.tokenize(p)[1])
+            self.engine.validate_prompt(self.engine.tokenize(p)[1])
         ids = [self.engine.add_request(p, sp, priority=pr, timeout=t)
                for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
         results: dict[str, RequestOutput] = {}

@@ -147,7 +147,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        self._validate_prompt(ids)
+        self.validate_prompt(ids)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -162,7 +162,8 @@ class LLMEngine:
         self.states[request_id] = RequestState(req, self.tokenizer)
         return request_id
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int]) -> None:
+        """Raise ValueError if these prompt token ids cannot be served (pure: safe from any thread)."""
         if not ids:
             raise ValueError("prompt: is empty (no tokens)")
         if len(ids) >= self.max_model_len:

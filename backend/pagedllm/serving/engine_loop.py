@@ -39,8 +39,12 @@ class EngineLoop:
         self._thread.start()
 
     @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self.running
 
     # --- called from other threads ------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], prompt: str, params: SamplingParams,

@@ -102,7 +102,7 @@ class TritonPythonModel:
                           if not k.startswith("triton_")}  # triton_* are the frontend's own
             parsed = parse_request(inputs, parameters)
             ids = self.tokenizer.encode(parsed.prompt)
-            self.engine._validate_prompt(ids)
+            self.engine.validate_prompt(ids)
             rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
             with self.lock:
                 self.inflight[rid] = _InFlight(sender, ResponseBuilder(parsed, len(ids)), triton_id)
@@ -212,7 +212,7 @@ class TritonPythonModel:
         """Abort what is in flight (each gets a final error response), then join every thread."""
         logger.info("finalizing: %d requests in flight", len(self.inflight))
         self.loop.stop()
-        if self.loop.error is None and self.loop._thread.is_alive():
+        if self.loop.running:
             logger.error("engine thread did not stop in time")
         self.responses.put(None)
         self.response_thread.join()
