@@ -31,12 +31,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=None)
     args = ap.parse_args()
     size = "tiny" if args.quick else "125m"
     path = model_dir("llama", size, "bfloat16")
     unit = random_workload(1, 48, 48, 2000, seed=7)[0]
     prompt = unit * 4  # a text that repeats: what prompt lookup is for
-    max_tokens = 64 if args.quick else 256
+    max_tokens = args.max_tokens or (64 if args.quick else 256)
     base_tokens, base_tps, _ = run(path, prompt, max_tokens, None)
     draft = first_layers_model(path, path + "-first2", 2)
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
