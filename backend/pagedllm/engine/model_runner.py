@@ -34,7 +34,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledRequest]]:
         """Returns (logits, the scheduled entries they belong to, in order): one logit row per sampling entry,
         or 1 + k rows for an entry carrying k draft tokens (the positions that verify them)."""
-        rows = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first (stable)
+        # Decodes first, shortest context first (the attention backend groups neighbouring lengths).
+        rows = sorted(out.scheduled, key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens
+                                                    if s.num_tokens == 1 else 0))
         input_ids, positions, slots, tables, seq_lens, starts = [], [], [], [], [], [0]
         bs = self.block_size
         for s in rows:
