@@ -28,10 +28,10 @@ def run(llm, prompts, params):
 
 def test_ngram_proposer_continues_the_latest_match():
     prop = NgramProposer(3, 1, 3)
-    assert prop.propose([5, 6, 7, 8, 9, 5, 6, 7], limit=10) == [8, 9, 5]
-    assert prop.propose([1, 2, 3, 1, 2, 9, 1, 2], limit=10) == [9, 1, 2]  # latest occurrence of [1, 2]
-    assert prop.propose([1, 2, 3, 4], limit=10) == []
-    assert prop.propose([5, 6, 7, 5, 6], limit=1) == [7]
+    assert prop.lookup([5, 6, 7, 8, 9, 5, 6, 7], limit=10) == [8, 9, 5]
+    assert prop.lookup([1, 2, 3, 1, 2, 9, 1, 2], limit=10) == [9, 1, 2]  # latest occurrence of [1, 2]
+    assert prop.lookup([1, 2, 3, 4], limit=10) == []
+    assert prop.lookup([5, 6, 7, 5, 6], limit=1) == [7]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

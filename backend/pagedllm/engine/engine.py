@@ -267,22 +267,16 @@ class LLMEngine:
                     or req.num_output_tokens < p.min_tokens):
                 continue
             wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
-        for req, (tokens, probs) in zip(*self._drafts_for(wanted)):
-            req.spec_token_ids, req.spec_draft_probs = tokens, probs
-
-    def _drafts_for(self, wanted):
-        if isinstance(self.proposer, NgramProposer):
-            found = [(r, (self.proposer.propose(r.all_token_ids, lim), None)) for r, lim in wanted]
-        else:
-            by_id = self.proposer.propose(wanted)
-            found = [(r, by_id[r.request_id]) for r, _ in wanted if r.request_id in by_id]
-        return [r for r, _ in found], [d for _, d in found]
+        drafts = self.proposer.propose(wanted)
+        for req, _ in wanted:
+            if req.request_id in drafts:
+                req.spec_token_ids, req.spec_draft_probs = drafts[req.request_id]
 
     def _finish_output(self, req: Request) -> RequestOutput:
         """The single exit of every request that was queued: stop, length, abort or timeout."""
         reason = req.status.finish_reason
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None:
             self.proposer.drop(req.request_id)
         if self.observations is not None:
             self.observations.request_finished(req)

@@ -49,7 +49,8 @@ class DraftModelProposer:
         live = []
         for req, limit in wanted:
             limit = min(limit, self.k, self.max_positions - req.num_tokens)
-            if limit > 0 and self._sync(req):
+            if limit > 0:
+                self._sync(req)
                 live.append((req, limit))
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
@@ -79,7 +80,7 @@ class DraftModelProposer:
         return {rid: (toks, torch.stack(probs[rid]) if probs[rid] else None)
                 for rid, toks in drafts.items() if toks}
 
-    def _sync(self, req: Request) -> bool:
+    def _sync(self, req: Request) -> None:
         """Make the shadow's tokens the target's; keep draft KV for their common prefix."""
         shadow = self.shadows.get(req.request_id)
         if shadow is None:
@@ -91,7 +92,7 @@ class DraftModelProposer:
             seed = req.sampling_params.seed
             shadow.generator = torch.Generator().manual_seed(seed if seed is not None else 0)
             self.shadows[req.request_id] = shadow
-            return True
+            return
         target, mine = req.all_token_ids, shadow.all_token_ids
         common = 0
         limit = min(len(target), len(mine), shadow.num_computed_tokens)
@@ -100,4 +101,3 @@ class DraftModelProposer:
         shadow.all_token_ids = list(target)
         shadow.output_token_ids = []  # the shadow only needs all_token_ids
         shadow.num_computed_tokens = min(common, len(target) - 1)
-        return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedllm.engine.request import Request
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3) -> None:
@@ -15,7 +17,16 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, tuple[list[int], None]]:
+        """Drafts for (request, limit) pairs, as the engine asks every proposer; no draft distribution (the
+        proposal is deterministic: a point mass)."""
+        found = {r.request_id: (self.lookup(r.all_token_ids, limit), None) for r, limit in wanted}
+        return {rid: d for rid, d in found.items() if d[0]}
+
+    def drop(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
+    def lookup(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(k, limit) draft tokens continuing `token_ids`; [] when no n-gram matches."""
         k = min(self.k, limit)
         if k <= 0:
