@@ -123,13 +123,9 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(OUT_DIR, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pagedllm-load-"))
-    repo = launcher.prepare_model_repository(work / "repo", model_dir("llama", args.size, "bfloat16"), ENGINE)
-    ports = [launcher.free_port() for _ in range(3)]
-    proc = launcher.start_server(repo, launcher.prepare_backends(work / "backends"), *ports,
-                                 log_path=work / "server.log", extra_args=["--exit-timeout-secs=5"])
+    server = launcher.launch_on_free_ports(work, model_dir("llama", args.size, "bfloat16"), ENGINE)
     try:
-        launcher.wait_ready(ports[0], proc, model="pagedllm")
-        http, grpc = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
+        http, grpc = f"127.0.0.1:{server.http_port}", f"127.0.0.1:{server.grpc_port}"
         if args.tool == "perf_analyzer":
             run_perf_analyzer(grpc, args)
         elif args.tool == "genai-perf":
@@ -137,7 +133,7 @@ def main() -> None:
         else:
             run_locust(http, grpc, args)
     finally:
-        launcher.stop_server(proc)
+        launcher.stop_server(server.proc)
 
 
 if __name__ == "__main__":

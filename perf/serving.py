@@ -97,14 +97,10 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     llm_tok = LLM(path, **{**ENGINE, "kv_cache_memory_bytes": 64 << 20}).get_tokenizer()
     work = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
-    repo = launcher.prepare_model_repository(work / "repo", path, ENGINE)
-    backends = launcher.prepare_backends(work / "backends")
-    ports = [launcher.free_port() for _ in range(3)]
-    proc = launcher.start_server(repo, backends, *ports, log_path=work / "server.log",
-                                 extra_args=["--exit-timeout-secs=5"])
+    server = launcher.launch_on_free_ports(work, path, ENGINE)
+    proc = server.proc
     try:
-        launcher.wait_ready(ports[0], proc, model="pagedllm")
-        url = f"127.0.0.1:{ports[1]}"
+        url = f"127.0.0.1:{server.grpc_port}"
         results = []
         for c in levels:
             n = max(8, 2 * c) if not args.quick else max(4, c)

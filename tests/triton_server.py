@@ -59,20 +59,8 @@ class Server:
 
 def start(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
           config_overrides: str = "") -> Server:
-    repo = launcher.prepare_model_repository(workdir / "repo", model_dir, engine_overrides,
-                                             config_overrides=config_overrides)
-    backends = launcher.prepare_backends(workdir / "backends")
-    ports = [launcher.free_port() for _ in range(3)]
-    log = workdir / "tritonserver.log"
-    # A short exit timeout: a client connection left open must not hold the test run for Triton's 30 s.
-    proc = launcher.start_server(repo, backends, *ports, log_path=log,
-                                 extra_args=["--exit-timeout-secs=10", *extra_args])
-    try:
-        launcher.wait_ready(ports[0], proc, model="pagedllm")
-    except Exception:
-        launcher.stop_server(proc)
-        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-4000:]}")
-    return Server(proc, *ports, log)
+    run = launcher.launch_on_free_ports(workdir, model_dir, engine_overrides, extra_args, config_overrides)
+    return Server(run.proc, run.http_port, run.grpc_port, run.metrics_port, run.log)
 
 
 def stop(server: Server) -> None:

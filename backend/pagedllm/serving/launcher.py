@@ -140,6 +140,33 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
             proc.wait()
 
 
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log: Path
+
+
+def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
+                         config_overrides: str = "", exit_timeout_s: int = 10) -> Launched:
+    """Lay out workdir, start a server on free loopback ports, wait until the model is ready (tests, perf).
+    A short exit timeout keeps a client connection left open from holding shutdown for Triton's 30 s."""
+    repo = prepare_model_repository(workdir / "repo", model_dir, engine_overrides, config_overrides=config_overrides)
+    backends = prepare_backends(workdir / "backends")
+    ports = [free_port() for _ in range(3)]
+    log = workdir / "tritonserver.log"
+    proc = start_server(repo, backends, *ports, log_path=log,
+                        extra_args=[f"--exit-timeout-secs={exit_timeout_s}", *extra_args])
+    try:
+        wait_ready(ports[0], proc, model="pagedllm")
+    except Exception:
+        stop_server(proc)
+        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-4000:]}") from None
+    return Launched(proc, *ports, log)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
     p.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "serve"),
