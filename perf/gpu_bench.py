@@ -69,7 +69,7 @@ def decode_bench(peak: float) -> None:
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, arch="llama", size="1b", dtype="bfloat16")
     llm = LLM(path, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=8 << 30, max_num_seqs=64)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
     emit({"bench": "engine", "attention_backend": llm.get_stats().attention_backend,
           "selection": llm.get_stats().attention_selection, "weights_GB": round(weights / 1e9, 2)})
     for batch in (1, 8, 64):

@@ -11,7 +11,6 @@ import argparse
 
 from common import emit, model_dir, random_workload
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.model_runner import kv_bytes_per_block
 
 
 def main() -> None:
@@ -27,7 +26,7 @@ def main() -> None:
               max_num_seqs=1024, max_num_batched_tokens=4096)
     engine = llm.engine
     block = engine.config.cache.block_size
-    per_token = kv_bytes_per_block(engine.hf_config, block, engine.dtype) // block
+    per_token = engine.kv_geometry.bytes_per_block(block, engine.dtype) // block
     n = 64 if args.quick else 256
     prompts = random_workload(n, 32, 256, engine.vocab_size, seed=5)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)

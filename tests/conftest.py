@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import torch
 
@@ -49,6 +50,26 @@ def assert_all_blocks_free(llm) -> None:
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_blocks_free == stats.num_blocks_total, stats
     assert llm.engine.kv.all_free()
+
+
+class Collector:
+    """An EngineLoop output callback that records everything, and each request's final output or error."""
+
+    def __init__(self):
+        self.items = []
+        self.finished: dict[str, object] = {}
+
+    def __call__(self, rid, out, err):
+        self.items.append((rid, out, err))
+        if err is not None or out.finished:
+            self.finished[rid] = err or out
+
+
+def wait_for(pred, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

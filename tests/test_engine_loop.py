@@ -1,32 +1,10 @@
 """The engine thread used by the Triton adapter: outputs, per-request errors, abort, and engine death."""
 
-import threading
-
 import pytest
 
-from conftest import assert_all_blocks_free
+from conftest import Collector, assert_all_blocks_free, wait_for
 from pagedllm import LLM, SamplingParams
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
-
-
-class Collector:
-    def __init__(self):
-        self.items, self.done = [], threading.Event()
-        self.finished: dict[str, object] = {}
-
-    def __call__(self, rid, out, err):
-        self.items.append((rid, out, err))
-        if err is not None or out.finished:
-            self.finished[rid] = err or out
-
-
-def wait_for(pred, timeout=60):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -61,7 +39,7 @@ def test_a_failing_step_fails_every_request_and_marks_the_loop_dead(llm, monkeyp
     def boom(*args, **kwargs):
         raise RuntimeError("simulated device fault")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    monkeypatch.setattr(llm.engine.executor, "execute_step", boom)
     loop.submit("x", [0, 5, 6], None, SamplingParams(max_tokens=4))
     loop.submit("y", [0, 9], None, SamplingParams(max_tokens=4))
     wait_for(lambda: len(c.finished) == 2)

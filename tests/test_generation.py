@@ -203,7 +203,7 @@ def test_register_model_makes_a_new_architecture_loadable(llama_dir, tmp_path):
     cfg["architectures"] = ["MyLlamaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128)
-    assert isinstance(llm.engine.runner.model, MyLlama)
+    assert isinstance(llm.engine.executor.model, MyLlama)
     assert len(gen1(llm, "hi", temperature=0, max_tokens=3).token_ids) == 3
 
 

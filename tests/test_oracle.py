@@ -110,7 +110,7 @@ def test_packed_bf16_linears_change_no_token(model_dir, prompts, monkeypatch):
 
     d = model_dir("qwen2")
     packed = LLM(d, dtype="bfloat16", max_model_len=1024)
-    n_packed = sum(type(m).__name__ == "PackedLinear" for m in packed.engine.runner.model.modules())
+    n_packed = sum(type(m).__name__ == "PackedLinear" for m in packed.engine.executor.model.modules())
     monkeypatch.setattr(loader, "pack_linears", lambda model: 0)
     plain = LLM(d, dtype="bfloat16", max_model_len=1024)
     if n_packed == 0:

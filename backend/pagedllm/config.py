@@ -58,6 +58,10 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3} or
     # {"method": "draft_model", "model": DIR, "num_speculative_tokens": k, "kv_cache_memory_bytes": n}
     speculative_config: dict | None = None
+    # Ranks the model is split over (1: no parallelism). cache.kv_cache_memory_bytes is per rank (as vLLM's
+    # memory settings are per GPU): each rank holds its share of the KV heads of every block.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # only 1: see docs/ARCHITECTURE.md, "Pipeline parallelism"
     log_stats: bool = False  # the periodic one-line engine log
     log_stats_interval_s: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -67,6 +71,11 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
+                 f"only 1 is supported (got {self.pipeline_parallel_size!r}); split the model with "
+                 "tensor_parallel_size instead")
         spec = self.speculative_config
         if spec is not None:
             _require(isinstance(spec, dict) and spec.get("method") in ("ngram", "draft_model"),

@@ -21,6 +21,10 @@ class LLM:
     def __init__(self, model: str, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when this process exits)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -55,12 +59,19 @@ class LLM:
                for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, desc="Processed prompts", disable=not use_tqdm)
-        while len(results) < n:
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(results) < n:
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # e.g. a failed tensor-parallel worker: release what this call holds
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [results[i] for i in ids]
 
 

@@ -55,10 +55,11 @@ def build_tokenizer(vocab_size: int):
                                    clean_up_tokenization_spaces=False)
 
 
-def hf_config(arch: str, size: str, vocab_size: int):
+def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | None = None):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     hidden, inter, layers, heads, kv, _ = SIZES[size]
+    kv = num_key_value_heads or kv
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, rms_norm_eps=1e-6)
@@ -94,13 +95,14 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
-                    dtype: str = "float32", max_shard_size: str | None = None) -> str:
+                    dtype: str = "float32", max_shard_size: str | None = None,
+                    num_key_value_heads: int | None = None) -> str:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"--size: expected one of {', '.join(SIZES)}, got {size!r}")
     tokenizer = build_tokenizer(SIZES[size][5])
-    config = hf_config(arch, size, len(tokenizer))
+    config = hf_config(arch, size, len(tokenizer), num_key_value_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     init_weights(model, seed)

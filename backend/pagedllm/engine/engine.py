@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from pagedllm.attention.selector import ProbeShape, select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.engine.executor import make_executor
+from pagedllm.engine.model_runner import KVGeometry, prepare_step
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import RequestState
 from pagedllm.engine.request import Request, RequestStatus
@@ -25,7 +26,6 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.stop_checker import check_stop
-from pagedllm.models.loader import load_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
@@ -50,24 +50,13 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.hf_config.vocab_size
         self.device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(config.model, self.hf_config, self.dtype, self.device)
-
-        cc = config.cache
-        num_blocks = cc.kv_cache_memory_bytes // kv_bytes_per_block(self.hf_config, cc.block_size, self.dtype)
-        needed = cdiv(self.max_model_len, cc.block_size) + 1  # one full-length request, plus the null block
-        if num_blocks < needed:
-            raise ValueError(
-                f"kv_cache_memory_bytes: {cc.kv_cache_memory_bytes} bytes hold {num_blocks} blocks; one request of "
-                f"max_model_len={self.max_model_len} needs {needed}. Raise the budget or lower max_model_len.")
-        sc = config.scheduler
-        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len)
-        self.backend, self.attention_selection = select_backend(config.attention_backend,
-                                                                  self._probe_shape(model))
-        self.runner = ModelRunner(model, self.hf_config, num_blocks, cc.block_size, self.dtype, self.backend,
-                                  self.device)
+        self.executor = make_executor(config, self.hf_config, self.dtype, self.device)
+        try:
+            num_blocks = self._init_cache()
+            self.proposer = self._make_proposer(config.speculative_config)
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed start
+            raise
         self.sampler = Sampler(config.seed)
         self.states: dict[str, RequestState] = {}
         self._ids = itertools.count()
@@ -76,14 +65,33 @@ class LLMEngine:
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
         self.observations: Observations | None = None
-        self.proposer = self._make_proposer(config.speculative_config)
         self.spec_stats = SpecDecodeStats()
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.hf_config.architectures[0], self.dtype, self.device, num_blocks - 1, cc.block_size,
-                    self.max_model_len)
+        logger.info("engine ready: %s, %s on %s, tensor parallel %d, %d KV blocks of %d tokens, max_model_len "
+                    "%d", self.hf_config.architectures[0], self.dtype, self.device, config.tensor_parallel_size,
+                    num_blocks - 1, config.cache.block_size, self.max_model_len)
 
     # --- setup helpers ------------------------------------------------------------------
+    def _init_cache(self) -> int:
+        """Size the KV cache from the budget, pick the attention backend, and set up every rank's runner."""
+        cc, sc = self.config.cache, self.config.scheduler
+        model = self.executor.model  # rank 0's shard: its KV heads are what one rank's budget holds
+        self.kv_geometry = KVGeometry.of(model)
+        num_blocks = cc.kv_cache_memory_bytes // self.kv_geometry.bytes_per_block(cc.block_size, self.dtype)
+        needed = cdiv(self.max_model_len, cc.block_size) + 1  # one full-length request, plus the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {cc.kv_cache_memory_bytes} bytes hold {num_blocks} blocks; one request of "
+                f"max_model_len={self.max_model_len} needs {needed}. Raise the budget or lower max_model_len.")
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len)
+        self.backend, self.attention_selection = select_backend(self.config.attention_backend,
+                                                                  self._probe_shape(model))
+        self.executor.init_cache(num_blocks, self.backend)
+        return num_blocks
+
     def _make_proposer(self, spec: dict | None):
         if spec is None:
             return None
@@ -142,6 +150,8 @@ class LLMEngine:
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, timeout: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError (bad input) or QueueFullError; nothing else changes."""
+        if not self.executor.healthy:
+            raise RuntimeError(f"engine is not healthy: {self.executor.error}")
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.scheduler.requests:
@@ -185,6 +195,15 @@ class LLMEngine:
             self.observations = Observations()
         return self.observations
 
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel worker has failed: the engine cannot run steps any more."""
+        return self.executor.healthy
+
+    def shutdown(self) -> None:
+        """Stop worker processes (tensor parallelism). Idempotent; the engine cannot step afterwards."""
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -204,8 +223,9 @@ class LLMEngine:
             obs.add(ITERATION_TOKENS, sched.num_tokens)
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
-        logits, sampling_rows = self.runner.execute(sched, self.kv)
-        emitted = self._sample(logits, sampling_rows)
+        step, sampling_rows = prepare_step(sched, self.kv, self.config.cache.block_size)
+        logits = self.executor.execute_step(step)
+        emitted = self._sample(logits, sampling_rows) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
         now = time.monotonic()

@@ -26,13 +26,20 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: str = "cpu", tp_rank: int = 0,
+               tp_size: int = 1) -> torch.nn.Module:
+    """The model, or with tp_size > 1 rank tp_rank's shard of it (sharded before loading: each rank reads only
+    its part of every tensor)."""
     model_cls = resolve_model_class(hf_config)
     with torch.device(device):
         model = model_cls(hf_config)
+        if tp_size > 1:
+            from pagedllm.distributed.tensor_parallel import shard_model
+
+            shard_model(model, tp_rank, tp_size)
     model.to(dtype)
     load_weights(model, model_dir)
-    pack_linears(model)  # bf16 on CPU only; a no-op elsewhere
+    pack_linears(model)  # bf16 on CPU only (nn.Linear only, so sharded layers stay as they are)
     return model.eval()
 
 
@@ -46,17 +53,19 @@ def load_weights(model: torch.nn.Module, model_dir: str) -> None:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(name)
                 target, shard = _map_name(model, name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
+                ckpt = f.get_slice(name)  # lazy: a sharded layer reads only its rows or columns
+                custom = getattr(modules[target.rsplit(".", 1)[0]], "load_weight", None)
+                if custom is not None:
+                    custom(param, shard, ckpt)
                 else:
-                    modules[target.rsplit(".", 1)[0]].load_shard(param, shard, tensor)
+                    if list(param.shape) != list(ckpt.get_shape()):
+                        raise ValueError(f"{name}: shape {tuple(ckpt.get_shape())} != expected "
+                                         f"{tuple(param.shape)}")
+                    param.data.copy_(ckpt[:])
                 loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, modules, loaded, tied)
 

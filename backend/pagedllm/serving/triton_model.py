@@ -214,6 +214,7 @@ class TritonPythonModel:
         self.loop.stop()
         if self.loop.running:
             logger.error("engine thread did not stop in time")
+        self.engine.shutdown()  # tensor-parallel worker processes end with the model
         self.responses.put(None)
         self.response_thread.join()
         with self.lock:

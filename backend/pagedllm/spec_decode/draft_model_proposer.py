@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from pagedllm.attention.torch_backend import TorchAttention
 from pagedllm.engine.kv_cache_manager import KVCacheManager
-from pagedllm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pagedllm.engine.model_runner import KVGeometry, ModelRunner
 from pagedllm.engine.request import Request
 from pagedllm.engine.sampler import target_probs
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -32,10 +32,10 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config: the draft's vocabulary ({hf.vocab_size}) differs from the "
                              f"target's ({target_vocab_size})")
         self.k = k
-        num_blocks = kv_cache_memory_bytes // kv_bytes_per_block(hf, block_size, dtype)
+        model = load_model(model_dir, hf, dtype, device)
+        num_blocks = kv_cache_memory_bytes // KVGeometry.of(model).bytes_per_block(block_size, dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        self.runner = ModelRunner(load_model(model_dir, hf, dtype, device), hf, num_blocks, block_size, dtype,
-                                  TorchAttention(), device)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, TorchAttention(), device)
         self.max_positions = hf.max_position_embeddings
         self.shadows: dict[str, Request] = {}
 

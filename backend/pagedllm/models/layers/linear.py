@@ -13,9 +13,11 @@ class MergedLinear(nn.Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
 
-    def load_shard(self, param: nn.Parameter, shard: int, tensor: torch.Tensor) -> None:
+    def load_weight(self, param: nn.Parameter, shard: int, ckpt) -> None:
+        """`ckpt`: shard's checkpoint tensor (or a lazy safetensors slice of it)."""
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
+        tensor = ckpt[:]
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}: expected {size} rows, checkpoint has {tensor.shape[0]}")
         param.data[start:start + size].copy_(tensor)

@@ -1,0 +1,190 @@
+"""MultiprocExecutor: tensor parallelism across processes on one host.
+
+Rank 0 is the engine's own process (the scheduler runs once, there); ranks 1..N-1 are worker processes
+(`python -m pagedllm.distributed.worker_main`) started here and stopped by `shutdown`, at interpreter exit, or
+by their own watchdog when this process disappears. Start-up: workers check in on a TCPStore while this side
+watches that they are alive (a worker that dies before joining is reported, not waited for), then all join
+one torch.distributed group. Each step: broadcast the StepInputs, every rank runs its shard (the sharded
+layers all-reduce and all-gather), rank 0 samples from the gathered logits.
+
+A worker that dies closes its sockets, so the collective rank 0 is in raises at once; the executor then kills
+the other workers, leaves the group, and reports WorkerFailedError naming the rank and its exit status. The
+engine is not healthy from then on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import pagedllm
+from pagedllm.config import EngineConfig
+from pagedllm.distributed import comm
+from pagedllm.distributed.tensor_parallel import check_shardable
+from pagedllm.engine.model_runner import StepInputs
+from pagedllm.engine.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 300.0
+CHECK_IN_KEY = "pagedllm/worker{rank}"
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel rank failed: the engine cannot continue."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    if device.startswith("cuda"):
+        base = int(device.split(":")[1]) if ":" in device else 0
+        return f"cuda:{base + rank}"
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python() -> str:
+    """The interpreter for workers: inside Triton's Python stub, sys.executable is the stub, not Python."""
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    return os.path.join(sys.prefix, "bin", "python3")
+
+
+def _exit_status(code: int) -> str:
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, hf_config, dtype: torch.dtype, device: str) -> None:
+        world = config.tensor_parallel_size
+        check_shardable(hf_config, world)  # before any process starts
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs, {torch.cuda.device_count()} "
+                             "visible")
+        self.error: WorkerFailedError | None = None
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._threads = torch.get_num_threads()
+        port = _free_port()
+        self._store = store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        atexit.register(self.shutdown)
+        try:
+            for rank in range(1, world):
+                self.procs[rank] = self._spawn(rank, world, port, config, dtype, device, backend)
+            self._wait_for_check_in(store, world)
+            comm.init_group(0, world, store, backend)
+            if device == "cpu":  # the ranks share this host's cores
+                torch.set_num_threads(max(1, self._threads // world))
+            self.worker = Worker(config.model, hf_config, dtype, rank_device(device, 0), config.cache.block_size,
+                                 0, world)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model = self.worker.model
+        logger.info("tensor parallel: %d ranks over %s, worker pids %s", world, backend,
+                    [p.pid for p in self.procs.values()])
+
+    def _spawn(self, rank, world, port, config, dtype, device, backend) -> subprocess.Popen:
+        package_root = os.path.dirname(os.path.dirname(pagedllm.__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root,
+                                                                        os.environ.get("PYTHONPATH")])))
+        cmd = [_python(), "-m", "pagedllm.distributed.worker_main", "--rank", str(rank), "--world-size",
+               str(world), "--port", str(port), "--backend", backend, "--model", config.model,
+               "--dtype", str(dtype).removeprefix("torch."), "--device", rank_device(device, rank),
+               "--block-size", str(config.cache.block_size), "--parent-pid", str(os.getpid())]
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+    def _wait_for_check_in(self, store: dist.TCPStore, world: int) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        waiting = set(range(1, world))
+        while waiting:
+            for rank in list(waiting):
+                code = self.procs[rank].poll()
+                if code is not None:
+                    raise WorkerFailedError(f"tensor-parallel worker rank {rank} failed to start "
+                                            f"({_exit_status(code)}); its log is above")
+                if store.check([CHECK_IN_KEY.format(rank=rank)]):
+                    waiting.discard(rank)
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"tensor-parallel workers {sorted(waiting)} did not start within "
+                                        f"{_STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    # --- the engine's interface -------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and all(p.poll() is None for p in self.procs.values())
+
+    def init_cache(self, num_blocks: int, backend) -> None:
+        self._collective(lambda: comm.broadcast_object((num_blocks, backend.name)))
+        self.worker.init_cache(num_blocks, backend)
+
+    def execute_step(self, step: StepInputs) -> torch.Tensor:
+        def run():
+            comm.broadcast_object(step)
+            return self.worker.execute_step(step)
+        return self._collective(run)
+
+    def _collective(self, fn):
+        if not self.healthy:
+            self._fail(None)
+        try:
+            return fn()
+        except Exception as e:
+            self._fail(e)
+
+    def _fail(self, cause: Exception | None):
+        """Record why the group is broken, stop every worker, and raise."""
+        if self.error is None:
+            dead = self._dead_workers(wait_s=2.0)
+            what = ", ".join(f"rank {r} (pid {self.procs[r].pid}) {_exit_status(c)}" for r, c in dead)
+            msg = f"tensor-parallel worker died: {what}" if dead else f"tensor-parallel step failed: {cause}"
+            self.error = WorkerFailedError(msg)
+            logger.error("%s; stopping all workers", msg)
+            self.shutdown()
+        raise self.error from cause
+
+    def _dead_workers(self, wait_s: float) -> list[tuple[int, int]]:
+        deadline = time.monotonic() + wait_s
+        while True:  # the collective can fail a moment before the dead worker is reaped
+            dead = [(r, p.poll()) for r, p in self.procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely when the group still works) and leave the group. Idempotent."""
+        if not self.procs:
+            return
+        polite = self.error is None and dist.is_initialized() and self.healthy
+        if polite:
+            try:
+                comm.broadcast_object(None)  # workers leave their loop and exit
+            except Exception as e:
+                logger.warning("could not tell the workers to stop (%s): killing them", e)
+                polite = False
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10 if polite else 0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = {}
+        comm.destroy_group()
+        torch.set_num_threads(self._threads)
+        atexit.unregister(self.shutdown)
