@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, for a CUDA machine (e.g. the device tool's H200; about 5 minutes): the kernel and backend
-# tests on the GPU, then perf/gpu_bench.py. Uses the machine's own torch/triton/transformers; our packages come
-# from the source tree. Results go to $OUT (the device tool's output folder) or perf/out/.
+# tests on the GPU, then perf/gpu_bench.py, then (2+ GPUs) perf/tensor_parallel.py over NCCL. Uses the
+# machine's own torch/triton/transformers; our packages come from the source tree. Results go to $OUT (the
+# device tool's output folder) or perf/out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/backend:$PWD/kernels:$PWD/client" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 \
@@ -16,5 +17,12 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests
 tests_rc=${PIPESTATUS[0]}
 timeout 300 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc || bench_rc ))
+tp_rc=0
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism over NCCL: traffic and TP=1 vs TP=2
+    timeout 240 python3 perf/tensor_parallel.py --device cuda --tp 2 --size 1b 2>&1 | tee "$OUT/gpu_tp.log"
+    tp_rc=${PIPESTATUS[0]}
+else
+    echo "one GPU: tensor-parallel benchmark skipped" | tee "$OUT/gpu_tp.log"
+fi
+echo "tests rc=$tests_rc bench rc=$bench_rc tp rc=$tp_rc"
+exit $(( tests_rc || bench_rc || tp_rc ))

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 import triton_server
 from conftest import Collector, assert_all_blocks_free, random_prompts, wait_for
 from pagedllm import LLM, SamplingParams
@@ -193,3 +192,22 @@ def test_tp2_model_through_triton_streams_and_unload_leaves_no_worker(llama_dir,
         http.close()
     finally:
         triton_server.stop(server)
+
+
+def test_torchrun_launch_runs_the_engine_on_rank_0_and_serves_it_from_rank_1(llama_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    args = ["generate", "def main():", "x = 1", "--model", llama_dir, "--dtype", "float32", "--max-tokens", "12",
+            "--device", "cpu"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "pagedllm.cli", *args,
+                          "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single = subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], capture_output=True, text=True,
+                            timeout=300, check=True)
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2 and lines == [json.loads(x) for x in single.stdout.splitlines() if x.startswith("{")]
+    assert "rank1 INFO stopped" in run.stderr  # rank 1 served steps until rank 0 told it to stop

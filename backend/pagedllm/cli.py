@@ -1,9 +1,10 @@
-"""`pagedllm` command line: make-tiny-model, generate, serve."""
+"""`pagedllm` command line: make-tiny-model, generate, batch, serve (generate and batch also under torchrun)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -18,7 +19,8 @@ def _make_tiny_model(args) -> None:
 def _generate(args) -> None:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or [])
     for out in llm.generate(args.prompts, params, use_tqdm=False):
@@ -32,7 +34,7 @@ def _batch(args) -> None:
     from pagedllm.batch_runner import run_batch
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens)
     summary = run_batch(llm, args.input, args.output, defaults, prompt_field=args.prompt_field,
@@ -44,6 +46,12 @@ def _serve(args) -> None:
     from pagedllm.serving.launcher import serve
 
     sys.exit(serve(args))
+
+
+def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks to split the model over (worker processes are started, or torchrun's are used)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-seed", type=int, default=None)
+    _add_parallel_arguments(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("batch", help="run prompts from a JSONL/CSV/Parquet file; results to JSONL/Parquet")
@@ -89,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_parallel_arguments(p)
     p.set_defaults(func=_batch)
 
     from pagedllm.serving.launcher import add_serve_arguments
@@ -101,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from pagedllm.distributed.executor import launched_by_torchrun
+
+    if launched_by_torchrun() and int(os.environ["RANK"]) > 0:
+        # `torchrun ... -m pagedllm.cli generate|batch ...`: rank 0 runs the engine, the others serve it.
+        from pagedllm.distributed.worker_main import run_torchrun_worker
+
+        run_torchrun_worker(getattr(args, "device", "auto"))
+        return
     args.func(args)
 
 

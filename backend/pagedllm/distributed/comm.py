@@ -40,11 +40,18 @@ class _Group:
 GROUP = _Group()
 
 
-def init_group(rank: int, world_size: int, store: dist.Store, backend: str) -> None:
+def backend_for(device: str) -> str:
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if cuda else "gloo"
+
+
+def init_group(rank: int, world_size: int, store: dist.Store | None, backend: str) -> None:
+    """Join the group through `store`, or through torchrun's environment (MASTER_ADDR/PORT) when None."""
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group already exists in this process: shut its engine down first "
                            "(one tensor-parallel engine per process)")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    where = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT, **where)
     GROUP.rank, GROUP.world_size = rank, world_size
     GROUP.control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend != "gloo" else None
     GROUP.stats = CommStats()

@@ -1,11 +1,13 @@
-"""MultiprocExecutor: tensor parallelism across processes on one host.
+"""MultiprocExecutor: tensor parallelism across processes.
 
-Rank 0 is the engine's own process (the scheduler runs once, there); ranks 1..N-1 are worker processes
-(`python -m pagedllm.distributed.worker_main`) started here and stopped by `shutdown`, at interpreter exit, or
-by their own watchdog when this process disappears. Start-up: workers check in on a TCPStore while this side
-watches that they are alive (a worker that dies before joining is reported, not waited for), then all join
-one torch.distributed group. Each step: broadcast the StepInputs, every rank runs its shard (the sharded
-layers all-reduce and all-gather), rank 0 samples from the gathered logits.
+Rank 0 is the engine's own process (the scheduler runs once, there). Ranks 1..N-1 are either worker processes
+on this host (`python -m pagedllm.distributed.worker_main`), started here and stopped by `shutdown`, at
+interpreter exit, or by their own watchdog when this process disappears; or, under torchrun (possibly across
+nodes), the other torchrun processes, which the CLI turns into workers. Spawned workers check in on a TCPStore
+while this side watches that they are alive (a worker that dies before joining is reported, not waited for),
+then all join one torch.distributed group. Rank 0 broadcasts what to load, then each step's StepInputs;
+every rank runs its shard (the sharded layers all-reduce and all-gather), rank 0 samples from the gathered
+logits.
 
 A worker that dies closes its sockets, so the collective rank 0 is in raises at once; the executor then kills
 the other workers, leaves the group, and reports WorkerFailedError naming the rank and its exit status. The
@@ -68,45 +70,66 @@ def _exit_status(code: int) -> str:
     return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, hf_config, dtype: torch.dtype, device: str) -> None:
         world = config.tensor_parallel_size
         check_shardable(hf_config, world)  # before any process starts
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl" and torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs, {torch.cuda.device_count()} "
-                             "visible")
+        backend = comm.backend_for(device)
         self.error: WorkerFailedError | None = None
         self.procs: dict[int, subprocess.Popen] = {}
         self._threads = torch.get_num_threads()
-        port = _free_port()
-        self._store = store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        self._active = True
         atexit.register(self.shutdown)
         try:
-            for rank in range(1, world):
-                self.procs[rank] = self._spawn(rank, world, port, config, dtype, device, backend)
-            self._wait_for_check_in(store, world)
-            comm.init_group(0, world, store, backend)
+            if launched_by_torchrun():
+                ranks_per_host = self._join_torchrun(world, backend)
+            else:
+                ranks_per_host = world
+                self._spawn_workers(config, world, backend)
             if device == "cpu":  # the ranks share this host's cores
-                torch.set_num_threads(max(1, self._threads // world))
+                torch.set_num_threads(max(1, self._threads // ranks_per_host))
+            comm.broadcast_object({"model": config.model, "dtype": str(dtype).removeprefix("torch."),
+                                   "device": device, "block_size": config.cache.block_size,
+                                   "ranks_per_host": ranks_per_host})
             self.worker = Worker(config.model, hf_config, dtype, rank_device(device, 0), config.cache.block_size,
                                  0, world)
         except BaseException:
             self.shutdown()
             raise
         self.model = self.worker.model
-        logger.info("tensor parallel: %d ranks over %s, worker pids %s", world, backend,
-                    [p.pid for p in self.procs.values()])
+        logger.info("tensor parallel: %d ranks over %s%s", world, backend,
+                    f", worker pids {[p.pid for p in self.procs.values()]}" if self.procs else " (torchrun)")
 
-    def _spawn(self, rank, world, port, config, dtype, device, backend) -> subprocess.Popen:
+    def _join_torchrun(self, world: int, backend: str) -> int:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if size != world or rank != 0:
+            raise ValueError(f"tensor_parallel_size: {world}, but torchrun started {size} processes and this is "
+                             f"rank {rank} (the engine runs on rank 0; the CLI turns other ranks into workers)")
+        comm.init_group(0, world, None, backend)
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+    def _spawn_workers(self, config: EngineConfig, world: int, backend: str) -> None:
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs, {torch.cuda.device_count()} "
+                             "visible")
+        port = _free_port()
+        self._store = store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        for rank in range(1, world):
+            self.procs[rank] = self._spawn(rank, world, port, backend)
+        self._wait_for_check_in(store, world)
+        comm.init_group(0, world, store, backend)
+
+    def _spawn(self, rank: int, world: int, port: int, backend: str) -> subprocess.Popen:
         package_root = os.path.dirname(os.path.dirname(pagedllm.__file__))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root,
                                                                         os.environ.get("PYTHONPATH")])))
         cmd = [_python(), "-m", "pagedllm.distributed.worker_main", "--rank", str(rank), "--world-size",
-               str(world), "--port", str(port), "--backend", backend, "--model", config.model,
-               "--dtype", str(dtype).removeprefix("torch."), "--device", rank_device(device, rank),
-               "--block-size", str(config.cache.block_size), "--parent-pid", str(os.getpid())]
+               str(world), "--port", str(port), "--backend", backend, "--parent-pid", str(os.getpid())]
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
     def _wait_for_check_in(self, store: dist.TCPStore, world: int) -> None:
@@ -128,7 +151,7 @@ class MultiprocExecutor:
     # --- the engine's interface -------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self.error is None and all(p.poll() is None for p in self.procs.values())
+        return self._active and self.error is None and all(p.poll() is None for p in self.procs.values())
 
     def init_cache(self, num_blocks: int, backend) -> None:
         self._collective(lambda: comm.broadcast_object((num_blocks, backend.name)))
@@ -153,7 +176,8 @@ class MultiprocExecutor:
         if self.error is None:
             dead = self._dead_workers(wait_s=2.0)
             what = ", ".join(f"rank {r} (pid {self.procs[r].pid}) {_exit_status(c)}" for r, c in dead)
-            msg = f"tensor-parallel worker died: {what}" if dead else f"tensor-parallel step failed: {cause}"
+            msg = (f"tensor-parallel worker died: {what}" if dead else
+                   f"tensor-parallel step failed: {cause}" if cause else "the tensor-parallel workers are stopped")
             self.error = WorkerFailedError(msg)
             logger.error("%s; stopping all workers", msg)
             self.shutdown()
@@ -169,9 +193,10 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         """Stop the workers (politely when the group still works) and leave the group. Idempotent."""
-        if not self.procs:
+        if not self._active:
             return
-        polite = self.error is None and dist.is_initialized() and self.healthy
+        polite = self.healthy and dist.is_initialized()
+        self._active = False
         if polite:
             try:
                 comm.broadcast_object(None)  # workers leave their loop and exit

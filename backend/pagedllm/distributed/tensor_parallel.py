@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.distributed.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                         VocabParallelEmbedding, VocabRange)
+from pagedllm.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabRange,
+)
 from pagedllm.models.llama import MLP, Attention
 
 

@@ -1,10 +1,10 @@
-"""A tensor-parallel worker process (ranks 1..N-1), started by MultiprocExecutor:
+"""Tensor-parallel worker processes (ranks 1..N-1).
 
-    python -m pagedllm.distributed.worker_main --rank R --world-size N --port P --model DIR ...
-
-It checks in on rank 0's TCPStore, joins the group, loads its shard, receives the KV cache size and the
-attention backend, then runs every broadcast step until it receives None. It exits by itself when its parent
-(the engine's process) disappears.
+Started by MultiprocExecutor (`python -m pagedllm.distributed.worker_main --rank R ...`): check in on rank 0's
+TCPStore, join the group. Or started by torchrun (`torchrun ... -m pagedllm.cli generate|batch ...`, where the
+CLI hands ranks > 0 to `run_torchrun_worker`): join through torchrun's environment. Either way rank 0 then
+broadcasts what to load (model, dtype, device, block size), the KV cache size and the attention backend, and
+the worker runs every broadcast step until it receives None.
 """
 
 from __future__ import annotations
@@ -22,10 +22,40 @@ from transformers import AutoConfig
 
 from pagedllm.attention.selector import BUILDERS
 from pagedllm.distributed import comm
-from pagedllm.distributed.executor import CHECK_IN_KEY
+from pagedllm.distributed.executor import CHECK_IN_KEY, rank_device
 from pagedllm.engine.worker import Worker
 
 logger = logging.getLogger("pagedllm.worker")
+
+
+def serve_steps(rank: int, world_size: int, local_rank: int) -> None:
+    """The worker's life once it is in the group."""
+    spec = comm.broadcast_object()  # WorkerSpec from rank 0
+    device = rank_device(spec["device"], local_rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    elif device == "cpu":  # the ranks share this host's cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // spec["ranks_per_host"]))
+    worker = Worker(spec["model"], AutoConfig.from_pretrained(spec["model"]), getattr(torch, spec["dtype"]),
+                    device, spec["block_size"], rank, world_size)
+    num_blocks, backend_name = comm.broadcast_object()
+    worker.init_cache(num_blocks, BUILDERS[backend_name]())
+    while (step := comm.broadcast_object()) is not None:
+        worker.execute_step(step)
+    comm.destroy_group()
+    logger.info("stopped")
+
+
+def run_torchrun_worker(device: str) -> None:
+    """A rank > 0 under torchrun: join the group torchrun's environment describes and serve rank 0."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _log_as(rank)
+    comm.init_group(rank, world, None, comm.backend_for(device))
+    serve_steps(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+
+
+def _log_as(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -38,28 +68,16 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    for name in ("--rank", "--world-size", "--port", "--block-size", "--parent-pid"):
+    for name in ("--rank", "--world-size", "--port", "--parent-pid"):
         ap.add_argument(name, type=int, required=True)
-    for name in ("--backend", "--model", "--dtype", "--device"):
-        ap.add_argument(name, required=True)
+    ap.add_argument("--backend", required=True)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    _log_as(args.rank)
     _exit_with_parent(args.parent_pid)
-    if args.device == "cpu":  # the ranks share this host's cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // args.world_size))
-    elif args.device.startswith("cuda"):
-        torch.cuda.set_device(args.device)
     store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False, timeout=timedelta(minutes=5))
     store.set(CHECK_IN_KEY.format(rank=args.rank), str(os.getpid()))
     comm.init_group(args.rank, args.world_size, store, args.backend)
-    worker = Worker(args.model, AutoConfig.from_pretrained(args.model), getattr(torch, args.dtype), args.device,
-                    args.block_size, args.rank, args.world_size)
-    num_blocks, backend_name = comm.broadcast_object()
-    worker.init_cache(num_blocks, BUILDERS[backend_name]())
-    while (step := comm.broadcast_object()) is not None:
-        worker.execute_step(step)
-    comm.destroy_group()
-    logger.info("stopped")
+    serve_steps(args.rank, args.world_size, args.rank)
 
 
 if __name__ == "__main__":

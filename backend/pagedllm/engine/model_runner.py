@@ -26,7 +26,7 @@ class KVGeometry:
     head_dim: int
 
     @classmethod
-    def of(cls, model) -> "KVGeometry":
+    def of(cls, model) -> KVGeometry:
         attn = model.model.layers[0].self_attn  # after sharding: this rank's heads
         return cls(len(model.model.layers), attn.num_kv_heads, attn.head_dim)
 
