@@ -8,6 +8,10 @@ if [ ! -x "$PY" ]; then
   echo "installing python3.11 from the system packages" >&2
   apt-get update -qq && apt-get install -y -qq python3.11 python3.11-venv libpython3.11 >/dev/null
 fi
+if ! command -v g++ >/dev/null; then  # compiles the C++ CPU attention kernel (without it: torch attention)
+  echo "installing g++ from the system packages" >&2
+  apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -1,10 +1,10 @@
-"""Attention backend selection and the Triton backend inside the engine."""
+"""Attention backend selection, and the Triton and CPU-kernel backends inside the engine."""
 
 import pytest
-
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import selector
+from pagedllm_kernels.cpu import paged_decode_attention as cpu_kernel
 
 
 def greedy(llm, prompts, n=6):
@@ -22,6 +22,18 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
     assert tri.get_stats().attention_backend == "triton"
     assert greedy(tri, prompts) == greedy(ref, prompts)  # chunked prefill (budget 32) included
     assert_all_blocks_free(tri)
+
+
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
+def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
+    prompts = random_prompts([5, 40, 17, 1, 90], seed=2)
+    kw = dict(dtype=dtype, max_model_len=256, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    ref = LLM(model_dir(arch), attention_backend="torch", **kw)
+    cpu = LLM(model_dir(arch), attention_backend="cpu", **kw)
+    assert cpu.get_stats().attention_backend == "cpu"
+    assert greedy(cpu, prompts, n=24) == greedy(ref, prompts, n=24)
+    assert_all_blocks_free(cpu)
 
 
 def test_auto_picks_a_working_backend_and_records_why(llama_dir):

@@ -24,7 +24,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     num_decodes: int
     block_size: int
-    backend: "AttentionBackend"  # noqa: F821 - set by the runner; layers call meta.backend.forward(...)
+    backend: AttentionBackend  # noqa: F821 - set by the runner; layers call meta.backend.forward(...)
 
     @property
     def num_rows(self) -> int:

@@ -26,7 +26,13 @@ def _triton():
     return TritonAttention()
 
 
-BUILDERS = {"torch": TorchAttention, "triton": _triton}
+def _cpu():
+    from pagedllm.attention.cpu_backend import CpuAttention
+
+    return CpuAttention()
+
+
+BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "triton": _triton}
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -68,6 +74,8 @@ def select_backend(name: str, shape: ProbeShape):
     for cand in candidates:
         try:
             backend = BUILDERS[cand]()
+            if hasattr(backend, "warm_up"):  # one-time costs (compiling a kernel) are not its speed
+                backend.warm_up(shape.device)
             t0 = time.perf_counter()
             out = _run(backend, probe, shape)
             first_ms = 1000 * (time.perf_counter() - t0)

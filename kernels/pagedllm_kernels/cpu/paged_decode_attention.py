@@ -1,0 +1,88 @@
+"""Paged decode attention on AVX-512 CPUs: the C++ kernel beside this file, its launcher, and a torch reference.
+
+The kernel reads K/V in place through the block table (the torch path gathers them into a padded copy first)
+and serves all query heads of a KV head from one pass over its K/V. It is compiled on first use into torch's
+extension cache (about a minute, once per machine and source version).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode_attention.cpp")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def cpu_supported() -> tuple[bool, str]:
+    missing = [f for f in _NEEDED_FLAGS if f not in _cpu_flags()]
+    return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
+
+
+@functools.cache
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
+    return load(name="pagedllm_cpu_attention", sources=[_SOURCE], verbose=False,
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])
+
+
+def load_kernel() -> None:
+    """Compile (or load the cached build of) the kernel; raises RuntimeError with the reason when it cannot."""
+    ok, why = cpu_supported()
+    if not ok:
+        raise RuntimeError(why)
+    _extension()
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """q [rows, H, D]; caches [blocks, block_size, KVH, D]; block_tables [rows, >= ceil(len/bs)] int64;
+    seq_lens [rows] int64 (including the query token). Returns [rows, H, D] in q's dtype."""
+    if q.device.type != "cpu":
+        raise ValueError("paged_decode_attention is a CPU kernel")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError("one block table row and one length per query row")
+    out = _extension().paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.long(),
+                                              seq_lens.long().contiguous(), float(scale), window or 0)
+    return out.to(q.dtype)
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+    """Row by row: gather the row's blocks, attend with SDPA in fp32."""
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for r in range(q.shape[0]):
+        n = int(seq_lens[r])
+        blocks = block_tables[r, :-(-n // bs)]
+        k = k_cache[blocks].flatten(0, 1)[:n].float()
+        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        first = max(0, n - window) if window else 0
+        k, v = k[first:], v[first:]
+        o = F.scaled_dot_product_attention(q[r, :, None].float(), k.transpose(0, 1), v.transpose(0, 1),
+                                           scale=scale, enable_gqa=True)
+        out[r] = o[:, 0].to(q.dtype)
+    return out

@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: the share spent in attention (every layer's backend.forward, KV store
+included) for each CPU attention backend, on the 125M workload of perf/throughput.py, with the resulting
+decode tokens/s, in one run.
+
+    .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import emit, model_dir, random_workload
+from pagedllm import LLM, SamplingParams
+
+
+class AttentionTimer:
+    """Wraps a backend's forward and adds up the wall time spent in it."""
+
+    def __init__(self, backend) -> None:
+        self.seconds = 0.0
+        inner = backend.forward
+
+        def forward(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+
+        backend.forward = forward
+
+
+def measure(path, backend, prompts, steps):
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=2 << 30, max_num_seqs=256,
+              attention_backend=backend)
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()  # prefills done: from here on every step decodes every request
+    for _ in range(5):
+        engine.step()
+    timer = AttentionTimer(engine.backend)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - t0
+    rows = len(engine.scheduler.running)
+    llm.shutdown()
+    return {"bench": "attention_share", "backend": engine.backend.name, "decode_rows": rows,
+            "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * timer.seconds / steps, 2),
+            "attention_share": round(timer.seconds / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backends", default="torch,cpu")
+    args = ap.parse_args()
+    size = "small" if args.quick else "125m"
+    path = model_dir("llama", size, "bfloat16")
+    prompts = random_workload(16 if args.quick else 64, 32, 256, 32000, seed=0)
+    results = [measure(path, b, prompts, 5 if args.quick else 30) for b in args.backends.split(",")]
+    for r in results:
+        emit(r)
+    if len(results) == 2:
+        a, b = results
+        emit({"bench": "attention_share_ratio", f"{b['backend']}_over_{a['backend']}_decode_tok_s":
+              round(b["decode_tok_s"] / a["decode_tok_s"], 3)})
+
+
+if __name__ == "__main__":
+    main()

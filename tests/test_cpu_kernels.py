@@ -1,0 +1,99 @@
+"""The AVX-512 paged decode attention kernel against its torch reference: decode rows over shuffled block
+tables, lengths on and around block boundaries, GQA ratios, head dims, fp32 and bf16, sliding windows."""
+
+import pytest
+import torch
+from pagedllm_kernels.cpu import paged_decode_attention as kernel
+
+supported, why = kernel.cpu_supported()
+pytestmark = pytest.mark.skipif(not supported, reason=why)
+
+LENS = [1, 2, 15, 16, 17, 31, 32, 33, 100, 161]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def make(num_heads, num_kv_heads, head_dim, block_size, dtype, lens=LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # shuffled, never the null block 0
+    tables = torch.zeros(len(lens), max(per_row) + 2, dtype=torch.int64)  # padded with block 0
+    used = 0
+    for i, n in enumerate(per_row):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (4, 2, 64), (12, 4, 64), (8, 1, 128), (6, 2, 96)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    q, kc, vc, tables, lens = make(heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    got = kernel.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    ref = kernel.reference(q, kc, vc, tables, lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window(window):
+    q, kc, vc, tables, lens = make(8, 2, 64, 16, torch.float32)
+    got = kernel.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window)
+    ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_only_the_rows_blocks_are_read():
+    """Poisoning every block no row owns (and the padding block 0) must not change any output."""
+    q, kc, vc, tables, lens = make(4, 2, 64, 16, torch.float32)
+    before = kernel.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    owned = {int(b) for i, n in enumerate(lens) for b in tables[i, :-(-int(n) // 16)]}
+    for b in range(kc.shape[0]):
+        if b not in owned:
+            kc[b], vc[b] = float("nan"), float("nan")
+    # Tokens past a row's length inside its last block are not read either.
+    for i, n in enumerate(lens.tolist()):
+        last, used = int(tables[i, (n - 1) // 16]), (n - 1) % 16 + 1
+        kc[last, used:], vc[last, used:] = float("nan"), float("nan")
+    torch.testing.assert_close(kernel.paged_decode_attention(q, kc, vc, tables, lens, 0.125), before)
+
+
+def test_the_launcher_checks_its_inputs():
+    q, kc, vc, tables, lens = make(4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="do not group"):
+        kernel.paged_decode_attention(q[:, :3], kc, vc, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="one block table row"):
+        kernel.paged_decode_attention(q, kc, vc, tables[:2], lens, 0.125)
+    with pytest.raises(ValueError, match="shapes"):
+        kernel.paged_decode_attention(q, kc, vc[..., :32], tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel.paged_decode_attention(q, kc.to(torch.bfloat16), vc.to(torch.bfloat16), tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("qlen,offset,window", [(1, 0, None), (37, 0, None), (300, 0, None), (20, 45, None),
+                                                (300, 10, 64), (5, 100, 3)])
+def test_grouped_prefill_attention_matches_sdpa(dtype, qlen, offset, window):
+    """The cpu backend's prefill path: chunks after cached tokens (offset), more queries than one score
+    chunk (300 > 256), sliding windows."""
+    from pagedllm.attention.cpu_backend import grouped_causal_attention
+
+    g = torch.Generator().manual_seed(1)
+    ctx = offset + qlen
+    q = torch.randn(qlen, 12, 64, generator=g).to(dtype)
+    k, v = (torch.randn(ctx, 4, 64, generator=g).to(dtype) for _ in range(2))
+    qpos, kpos = torch.arange(offset, ctx)[:, None], torch.arange(ctx)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=allowed,
+        scale=0.125, enable_gqa=True).transpose(0, 1)
+    got = grouped_causal_attention(q, k, v, 0.125, window, offset)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, atol=TOLERANCE[dtype], rtol=0)
