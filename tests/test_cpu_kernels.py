@@ -97,3 +97,73 @@ def test_grouped_prefill_attention_matches_sdpa(dtype, qlen, offset, window):
     got = grouped_causal_attention(q, k, v, 0.125, window, offset)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref, atol=TOLERANCE[dtype], rtol=0)
+
+
+def _bf16(*shape, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def _ulps_apart(a, b):
+    """Distance in bf16 units in the last place, elementwise (both bf16)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_rms_norm(dtype):
+    from pagedllm_kernels.cpu import fused_ops
+
+    x, w = _bf16(37, 200, scale=3.0).to(dtype), _bf16(200, seed=1).to(dtype)  # 200: a 16-wide tail of 8
+    got, ref = fused_ops.rms_norm(x, w, 1e-6), fused_ops.reference_rms_norm(x, w, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert _ulps_apart(got, ref).max() <= 1 and (got == ref).float().mean() > 0.98
+
+
+def test_fused_silu_and_mul():
+    from pagedllm_kernels.cpu import fused_ops
+
+    x = _bf16(9, 2 * 344, scale=4.0)  # 344 = 21 x 16 + 8
+    got, ref = fused_ops.silu_and_mul(x), fused_ops.reference_silu_and_mul(x)
+    assert got.shape == (9, 344)
+    assert _ulps_apart(got, ref).max() <= 1 and (got == ref).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_fused_rotary_in_place_on_a_strided_view(head_dim):
+    from pagedllm_kernels.cpu import fused_ops
+
+    t, heads = 11, 3
+    qkv = _bf16(t, heads * head_dim + 40, scale=2.0)
+    q = qkv[:, :heads * head_dim].reshape(t, heads, head_dim)  # rows strided, as the model's q is
+    angles = torch.rand(t, 1, head_dim // 2, generator=torch.Generator().manual_seed(2)) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    ref = fused_ops.reference_rotary(q.clone(), cos, sin)
+    tail = qkv[:, heads * head_dim:].clone()
+    got = fused_ops.rotary_(q, cos, sin)
+    assert got.data_ptr() == q.data_ptr() and torch.equal(qkv[:, heads * head_dim:], tail)
+    assert _ulps_apart(got, ref).max() <= 1 and (got == ref).float().mean() > 0.98
+
+
+def test_fused_launchers_check_their_inputs():
+    from pagedllm_kernels.cpu import fused_ops
+
+    with pytest.raises(ValueError, match="disagree"):
+        fused_ops.rms_norm(_bf16(2, 64), _bf16(32), 1e-6)
+    with pytest.raises(ValueError, match="gate and up"):
+        fused_ops.silu_and_mul(_bf16(2, 63))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fused_ops.rotary_(_bf16(2, 1, 48), _bf16(2, 1, 24), _bf16(2, 1, 24))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_argmax_takes_the_first_of_ties(dtype):
+    from pagedllm_kernels.cpu import fused_ops
+
+    x = _bf16(33, 1000 + 7, scale=5.0).to(dtype)  # 1007: a tail past the 16-wide part
+    x[3, 100] = x[3, 900] = 50.0  # a tie: the first wins
+    x[4, 1005] = 60.0  # the maximum in the tail
+    x[5, :] = 1.0  # all equal: index 0
+    got = fused_ops.argmax(x)
+    assert got.dtype == torch.int64 and torch.equal(got, fused_ops.reference_argmax(x))
+    assert got[3] == 100 and got[4] == 1005 and got[5] == 0

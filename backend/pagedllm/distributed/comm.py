@@ -26,9 +26,6 @@ class CommStats:
     all_gather_bytes: int = 0  # this rank's contribution
     broadcast_calls: int = 0
 
-    def reset(self) -> None:
-        self.__init__()
-
 
 class _Group:
     rank = 0

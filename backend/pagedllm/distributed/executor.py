@@ -117,6 +117,7 @@ class MultiprocExecutor:
             raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs, {torch.cuda.device_count()} "
                              "visible")
         port = _free_port()
+        # Held for the executor's life: the group's rendezvous server lives in this process.
         self._store = store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                                             timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
         for rank in range(1, world):

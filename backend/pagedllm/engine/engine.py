@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from pagedllm.attention.selector import ProbeShape, select_backend
 from pagedllm.config import EngineConfig
-from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.executor import make_executor
+from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.engine.model_runner import KVGeometry, prepare_step
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import RequestState
@@ -27,11 +27,11 @@ from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.stop_checker import check_stop
 from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.stats import SpecDecodeStats
 from pagedllm.spec_decode.verifier import verify
-from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,9 @@ class LLMEngine:
         plain = [i for i, s in enumerate(rows) if not s.spec_tokens]
         out: dict[str, list[SampledToken]] = {}
         if plain:
-            tokens = self.sampler(logits[[starts[i] for i in plain]], [rows[i].request for i in plain])
+            # Without drafts every row is one plain row, in order: no copy of the logits.
+            picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
+            tokens = self.sampler(picked, [rows[i].request for i in plain])
             out.update({rows[i].request.request_id: [t] for i, t in zip(plain, tokens)})
         for i, s in enumerate(rows):
             k = len(s.spec_tokens)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.models.layers.cpu_fused import ops_for
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,10 +31,14 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
-        logits = logits.float()
         simple = all(r.sampling_params.greedy and r.sampling_params.logprobs is None and
                      not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens for r in reqs)
-        if logits.device.type != "cpu" and not simple:
+        if simple:  # argmax in the logits' own dtype (fp32 conversion is exact: the same winner, the same ties)
+            fused = ops_for(logits)
+            ids = fused.argmax(logits) if fused is not None else logits.max(dim=-1).indices
+            return [SampledToken(t, None, None, None) for t in ids.tolist()]
+        logits = logits.float()
+        if logits.device.type != "cpu":
             logits = logits.cpu()  # per-request generators and penalty bookkeeping live on the CPU
         # Logprobs come from the raw (unprocessed) distribution, and only for requests that asked for them.
         wants = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]

@@ -105,13 +105,15 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[:budget - 1] if n == 1 else []  # drafts ride on a decode
             n += len(spec)
+            preempted = False
             while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
+                preempted = True
                 if victim is req:
                     break
-            # A victim scheduled earlier in this step gives its tokens back.
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            if preempted:  # a victim scheduled earlier in this step gives its tokens back
+                budget = self.config.max_num_batched_tokens - out.num_tokens
             if req.status != RequestStatus.RUNNING:
                 continue
             out.scheduled.append(ScheduledRequest(req, n, spec))

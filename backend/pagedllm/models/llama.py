@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.cpu_fused import ops_for
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -56,7 +57,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = ops_for(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -122,4 +127,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler converts to fp32 only where a distribution is needed."""
+        return self.lm_head(hidden)

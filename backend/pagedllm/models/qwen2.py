@@ -12,4 +12,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def sliding_window(config):
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen2 sliding-window attention (use_sliding_window) is not supported")
-        return None

@@ -12,4 +12,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def sliding_window(config):
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen3 sliding-window attention is not supported")
-        return None

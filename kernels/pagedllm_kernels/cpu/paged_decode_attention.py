@@ -2,55 +2,22 @@
 
 The kernel reads K/V in place through the block table (the torch path gathers them into a padded copy first)
 and serves all query heads of a KV head from one pass over its K/V. It is compiled on first use into torch's
-extension cache (about a minute, once per machine and source version).
+extension cache (see build.py).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode_attention.cpp")
+from pagedllm_kernels.cpu.build import cpu_supported, extension
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-_NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-
-
-def cpu_supported() -> tuple[bool, str]:
-    missing = [f for f in _NEEDED_FLAGS if f not in _cpu_flags()]
-    return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
-
-
-@functools.cache
-def _extension():
-    from torch.utils.cpp_extension import load
-
-    # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
-    return load(name="pagedllm_cpu_attention", sources=[_SOURCE], verbose=False,
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+__all__ = ["cpu_supported", "load_kernel", "paged_decode_attention", "reference"]
 
 
 def load_kernel() -> None:
     """Compile (or load the cached build of) the kernel; raises RuntimeError with the reason when it cannot."""
-    ok, why = cpu_supported()
-    if not ok:
-        raise RuntimeError(why)
-    _extension()
+    extension()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -66,7 +33,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
     if block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError("one block table row and one length per query row")
-    out = _extension().paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.long(),
+    out = extension().paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.long(),
                                               seq_lens.long().contiguous(), float(scale), window or 0)
     return out.to(q.dtype)
 

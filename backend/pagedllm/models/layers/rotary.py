@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.models.layers.cpu_fused import ops_for
+
 # Types whose frequencies depend on the current sequence length; not supported by a precomputed table.
 _DYNAMIC_TYPES = {"dynamic", "longrope"}
 
@@ -40,5 +42,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotated x; on the fused CPU path x itself is rotated in place (callers use only the result)."""
+    fused = ops_for(x)
+    if fused is not None and x.shape[-1] % 32 == 0:
+        return fused.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

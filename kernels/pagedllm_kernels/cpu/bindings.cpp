@@ -1,0 +1,18 @@
+// The Python module of the CPU kernels (one extension, built from every .cpp in this directory).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax(torch::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (AVX-512, fp32 math)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, fp32 statistics");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary_", &rotary_, "rotary embedding in place (rotate-half layout)");
+  m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
+}
