@@ -7,6 +7,7 @@ import functools
 import glob
 import hashlib
 import os
+import pathlib
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -37,7 +38,7 @@ def extension():
     from torch.utils.cpp_extension import load
 
     files = sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h")))
-    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in files)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files)).hexdigest()[:12]
     # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
     return load(name=f"pagedllm_cpu_{digest}", sources=[f for f in files if f.endswith(".cpp")], verbose=False,
                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],

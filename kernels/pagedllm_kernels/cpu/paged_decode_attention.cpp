@@ -106,6 +106,14 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
         const int64_t lo = std::max(start, first), n = std::min(start + block_size, len) - lo;
         const T* kblock = k_cache + block * block_stride + (lo - start) * token_stride;
         const T* vblock = v_cache + block * block_stride + (lo - start) * token_stride;
+        if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
+          const char* kn = reinterpret_cast<const char*>(k_cache + table[start / block_size + 1] * block_stride);
+          const char* vn = reinterpret_cast<const char*>(v_cache + table[start / block_size + 1] * block_stride);
+          for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
+            _mm_prefetch(kn + off, _MM_HINT_T0);
+            _mm_prefetch(vn + off, _MM_HINT_T0);
+          }
+        }
         for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
             float block_max = -std::numeric_limits<float>::infinity();
