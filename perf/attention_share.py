@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: the share spent in attention (every layer's backend.forward, KV store
-included) for each CPU attention backend, on the 125M workload of perf/throughput.py, with the resulting
-decode tokens/s, in one run.
+"""Attention on CPU, per backend, in one run:
+- the share of a decode step spent in attention (every layer's backend.forward, KV store included) on the
+  125M workload of perf/throughput.py, with the resulting decode tokens/s;
+- one prefill row of L tokens (125M attention shapes) through each backend.
 
     .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu]
 """
@@ -53,6 +54,33 @@ def measure(path, backend, prompts, steps):
             "attention_share": round(timer.seconds / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
 
 
+def prefill_row_ms(backend_name: str, length: int, repeats: int = 3) -> float:
+    """One layer's attention over a fresh L-token prompt (12 heads, 4 KV heads, head_dim 64, bf16)."""
+    import torch
+    from pagedllm.attention.metadata import AttentionMetadata
+    from pagedllm.attention.selector import BUILDERS
+
+    backend = BUILDERS[backend_name]()
+    if hasattr(backend, "warm_up"):
+        backend.warm_up("cpu")
+    bs, blocks = 16, -(-length // 16)
+    cache = torch.zeros(2, blocks + 1, bs, 4, 64, dtype=torch.bfloat16)
+    q = torch.randn(length, 12, 64).to(torch.bfloat16)
+    k, v = (torch.randn(length, 4, 64).to(torch.bfloat16) for _ in range(2))
+    table = (torch.randperm(blocks) + 1)[None]
+    pos = torch.arange(length)
+    meta = AttentionMetadata(
+        slot_mapping=table[0, pos // bs] * bs + pos % bs, block_tables=table, seq_lens=torch.tensor([length]),
+        query_start_loc=[0, length], query_start_loc_t=torch.tensor([0, length], dtype=torch.int32),
+        max_query_len=length, seq_lens_list=[length], num_decodes=0, block_size=bs, backend=backend)
+    with torch.inference_mode():
+        backend.forward(q, k, v, cache, meta, 0.125, None)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            backend.forward(q, k, v, cache, meta, 0.125, None)
+    return 1000 * (time.perf_counter() - t0) / repeats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -68,6 +96,9 @@ def main() -> None:
         a, b = results
         emit({"bench": "attention_share_ratio", f"{b['backend']}_over_{a['backend']}_decode_tok_s":
               round(b["decode_tok_s"] / a["decode_tok_s"], 3)})
+    for length in (128, 512) if args.quick else (128, 256, 512, 1024, 2048):
+        emit({"bench": "prefill_row_attention_ms", "tokens": length,
+              **{b: round(prefill_row_ms(b, length), 2) for b in args.backends.split(",")}})
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
 @pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
 @pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
 def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
-    prompts = random_prompts([5, 40, 17, 1, 90], seed=2)
-    kw = dict(dtype=dtype, max_model_len=256, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # 700: prefill chunks deep into a long context
+    kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64)
     ref = LLM(model_dir(arch), attention_backend="torch", **kw)
     cpu = LLM(model_dir(arch), attention_backend="cpu", **kw)
     assert cpu.get_stats().attention_backend == "cpu"

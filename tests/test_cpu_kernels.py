@@ -75,30 +75,6 @@ def test_the_launcher_checks_its_inputs():
         kernel.paged_decode_attention(q, kc.to(torch.bfloat16), vc.to(torch.bfloat16), tables, lens, 0.125)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("qlen,offset,window", [(1, 0, None), (37, 0, None), (300, 0, None), (20, 45, None),
-                                                (300, 10, 64), (5, 100, 3)])
-def test_grouped_prefill_attention_matches_sdpa(dtype, qlen, offset, window):
-    """The cpu backend's prefill path: chunks after cached tokens (offset), more queries than one score
-    chunk (300 > 256), sliding windows."""
-    from pagedllm.attention.cpu_backend import grouped_causal_attention
-
-    g = torch.Generator().manual_seed(1)
-    ctx = offset + qlen
-    q = torch.randn(qlen, 12, 64, generator=g).to(dtype)
-    k, v = (torch.randn(ctx, 4, 64, generator=g).to(dtype) for _ in range(2))
-    qpos, kpos = torch.arange(offset, ctx)[:, None], torch.arange(ctx)[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= kpos > qpos - window
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=allowed,
-        scale=0.125, enable_gqa=True).transpose(0, 1)
-    got = grouped_causal_attention(q, k, v, 0.125, window, offset)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), ref, atol=TOLERANCE[dtype], rtol=0)
-
-
 def _bf16(*shape, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
 

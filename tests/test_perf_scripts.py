@@ -20,6 +20,7 @@ def run(script, *args):
 @pytest.mark.parametrize("script, args, key", [
     ("throughput.py", ["--quick", "--sizes", "tiny"], "ratio_pagedllm_over_transformers"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
+    ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

@@ -103,21 +103,15 @@ class TorchAttention:
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
-    def _context_kv(self, k, v, kv_cache, meta, row):
-        """K and V of a prefill row's whole context: this chunk's own, or gathered from its blocks when
-        earlier tokens are cached."""
-        ctx, qlen, bs = meta.seq_lens_list[row], k.shape[0], meta.block_size
-        if ctx == qlen:  # nothing cached before this chunk: attend over the fresh k/v directly
-            return k, v
-        nb = -(-ctx // bs)
-        bt = meta.block_tables[row, :nb]
-        keys = gather_kv(kv_cache[0], bt[None], self.ws.get("pk", (nb * bs, *k.shape[1:]), k))[0, :ctx]
-        vals = gather_kv(kv_cache[1], bt[None], self.ws.get("pv", (nb * bs, *k.shape[1:]), k))[0, :ctx]
-        return keys, vals
-
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, window):
-        ctx, qlen = meta.seq_lens_list[row], q.shape[0]
-        keys, vals = self._context_kv(k, v, kv_cache, meta, row)
+        ctx, qlen, bs = meta.seq_lens_list[row], q.shape[0], meta.block_size
+        if ctx == qlen:  # nothing cached before this chunk: attend over the fresh k/v directly
+            keys, vals = k, v
+        else:
+            nb = -(-ctx // bs)
+            bt = meta.block_tables[row, :nb]
+            keys = gather_kv(kv_cache[0], bt[None], self.ws.get("pk", (nb * bs, *k.shape[1:]), k))[0, :ctx]
+            vals = gather_kv(kv_cache[1], bt[None], self.ws.get("pv", (nb * bs, *k.shape[1:]), k))[0, :ctx]
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
         if window is None and ctx == qlen:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
