@@ -28,7 +28,8 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
 @pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
 def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
     prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # 700: prefill chunks deep into a long context
-    kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64)
+    kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+              device="cpu")  # a CPU kernel, also when the test host has a GPU
     ref = LLM(model_dir(arch), attention_backend="torch", **kw)
     cpu = LLM(model_dir(arch), attention_backend="cpu", **kw)
     assert cpu.get_stats().attention_backend == "cpu"
