@@ -87,7 +87,7 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   constexpr int64_t D = 16 * CH;
   constexpr int GB = 4;  // query heads whose accumulators are held in registers at once
   const int64_t group = num_heads / num_kv_heads;  // query heads reading one KV head
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+  auto rows_of = [&](int64_t begin, int64_t end) {
     alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
     alignas(64) float probs[kMaxHeads][64 + 16];  // exp(score - running max) of the block's tokens
     float running_max[kMaxHeads], denom[kMaxHeads];
@@ -170,7 +170,11 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
         for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
       }
     }
-  });
+  };
+  // Rows differ in length by up to the context length (decode rows come sorted by it, and a prefill row's
+  // tokens grow along it): hand them out one at a time, not in equal contiguous ranges.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t row = 0; row < num_rows; ++row) rows_of(row, row + 1);
 }
 
 template <typename T>
