@@ -34,10 +34,16 @@ class CpuAttention:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        tables, lens = meta.backend_cache.get("cpu_rows") or meta.backend_cache.setdefault(
+            "cpu_rows", self._token_rows(meta, q.shape[0], q.device))
+        return self._kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale,
+                                                   sliding_window)
+
+    @staticmethod
+    def _token_rows(meta: AttentionMetadata, num_tokens: int, device):
+        """Every query token as a kernel row: its row's block table, and its context length (its row's length
+        minus the row's tokens after it). The same for every layer of a step."""
         starts = meta.query_start_loc_t.long()
-        row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows, device=q.device), starts.diff())
-        # Each query token's context length: its row's length minus the row's tokens after it.
-        token_lens = meta.seq_lens[row_of_token] - (starts[1:][row_of_token] - 1 -
-                                                     torch.arange(q.shape[0], device=q.device))
-        return self._kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], meta.block_tables[row_of_token],
-                                                   token_lens, scale, sliding_window)
+        row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows, device=device), starts.diff())
+        lens = meta.seq_lens[row_of_token] - (starts[1:][row_of_token] - 1 - torch.arange(num_tokens, device=device))
+        return meta.block_tables[row_of_token], lens

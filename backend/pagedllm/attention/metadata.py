@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     backend: AttentionBackend  # noqa: F821 - set by the runner; layers call meta.backend.forward(...)
+    # What a backend derives from this metadata once per step and reuses in every layer.
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
