@@ -56,26 +56,37 @@ def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
     # Decodes first, shortest context first (the attention backend groups neighbouring lengths).
     rows = sorted(out.scheduled, key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens
                                                 if s.num_tokens == 1 else 0))
+    # Decode rows (one token each, the common case) as Python scalars; longer rows as arrays after them.
+    decode_ids, decode_pos, decode_slots = [], [], []
     input_ids, positions, slots, tables, seq_lens, starts = [], [], [], [], [], [0]
     for s in rows:
         req = s.request
         begin, end = req.num_computed_tokens, req.num_computed_tokens + s.num_tokens
-        block_ids = np.asarray(kv.block_ids(req.request_id), dtype=np.int64)
-        pos = np.arange(begin, end, dtype=np.int64)
-        known = req.all_token_ids[begin:end - len(s.spec_tokens)]
-        input_ids.append(np.asarray(known + s.spec_tokens, dtype=np.int64))
-        positions.append(pos)
-        slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
+        block_ids = kv.block_ids(req.request_id)
+        if s.num_tokens == 1:
+            decode_ids.append(req.all_token_ids[begin])
+            decode_pos.append(begin)
+            decode_slots.append(block_ids[begin // block_size] * block_size + begin % block_size)
+        else:
+            blocks = np.asarray(block_ids, dtype=np.int64)
+            pos = np.arange(begin, end, dtype=np.int64)
+            known = req.all_token_ids[begin:end - len(s.spec_tokens)]
+            input_ids.append(np.asarray(known + s.spec_tokens, dtype=np.int64))
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         tables.append(block_ids)
         seq_lens.append(end)
         starts.append(starts[-1] + s.num_tokens)
+    input_ids.insert(0, np.asarray(decode_ids, dtype=np.int64))
+    positions.insert(0, np.asarray(decode_pos, dtype=np.int64))
+    slots.insert(0, np.asarray(decode_slots, dtype=np.int64))
     table = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int64)
     for i, t in enumerate(tables):
         table[i, :len(t)] = t
     sampling = [i for i, s in enumerate(rows) if s.samples]
     picks = [p for i in sampling for p in range(starts[i + 1] - 1 - len(rows[i].spec_tokens), starts[i + 1])]
     step = StepInputs(np.concatenate(input_ids), np.concatenate(positions), np.concatenate(slots), table,
-                      seq_lens, starts, sum(1 for s in rows if s.num_tokens == 1), picks)
+                      seq_lens, starts, len(decode_ids), picks)
     return step, [rows[i] for i in sampling]
 
 
