@@ -45,5 +45,5 @@ class CpuAttention:
         minus the row's tokens after it). The same for every layer of a step."""
         starts = meta.query_start_loc_t.long()
         row_of_token = torch.repeat_interleave(torch.arange(meta.num_rows, device=device), starts.diff())
-        lens = meta.seq_lens[row_of_token] - (starts[1:][row_of_token] - 1 - torch.arange(num_tokens, device=device))
-        return meta.block_tables[row_of_token], lens
+        after = starts[1:][row_of_token] - 1 - torch.arange(num_tokens, device=device)
+        return meta.block_tables[row_of_token], meta.seq_lens[row_of_token] - after

@@ -87,94 +87,92 @@ void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   constexpr int64_t D = 16 * CH;
   constexpr int GB = 4;  // query heads whose accumulators are held in registers at once
   const int64_t group = num_heads / num_kv_heads;  // query heads reading one KV head
-  auto rows_of = [&](int64_t begin, int64_t end) {
+  auto one_row = [&](int64_t row) {
     alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
     alignas(64) float probs[kMaxHeads][64 + 16];  // exp(score - running max) of the block's tokens
     float running_max[kMaxHeads], denom[kMaxHeads];
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t len = seq_lens[row];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const T* qrow = q + row * num_heads * D;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
-        running_max[h] = -std::numeric_limits<float>::infinity();
-        denom[h] = 0.0f;
-      }
-      const int64_t* table = block_tables + row * table_stride;
-      for (int64_t start = first - first % block_size; start < len; start += block_size) {
-        const int64_t block = table[start / block_size];
-        const int64_t lo = std::max(start, first), n = std::min(start + block_size, len) - lo;
-        const T* kblock = k_cache + block * block_stride + (lo - start) * token_stride;
-        const T* vblock = v_cache + block * block_stride + (lo - start) * token_stride;
-        if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
-          const char* kn = reinterpret_cast<const char*>(k_cache + table[start / block_size + 1] * block_stride);
-          const char* vn = reinterpret_cast<const char*>(v_cache + table[start / block_size + 1] * block_stride);
-          for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
-            _mm_prefetch(kn + off, _MM_HINT_T0);
-            _mm_prefetch(vn + off, _MM_HINT_T0);
-          }
-        }
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {  // scores (16 tokens at a time) and their max
-              const int64_t m = std::min<int64_t>(16, n - t0);
-              const __m512 sv = _mm512_mul_ps(
-                  scores16<CH>(qrow + h * D, kblock + t0 * token_stride + kvh * D, token_stride, m),
-                  _mm512_set1_ps(scale));
-              block_max = std::max(block_max, _mm512_mask_reduce_max_ps(static_cast<__mmask16>((1u << m) - 1u), sv));
-              _mm512_storeu_ps(probs[h] + t0, sv);
-            }
-            if (block_max > running_max[h]) {  // online softmax: rescale what was accumulated to the new max
-              const float rescale = std::exp(running_max[h] - block_max);
-              denom[h] *= rescale;
-              for (int c = 0; c < CH; ++c)
-                _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c),
-                                                               _mm512_set1_ps(rescale)));
-              running_max[h] = block_max;
-            }
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {  // probabilities exp(score - max), 0 past the block's end
-              const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t0)) - 1u);
-              const __m512 sv = _mm512_loadu_ps(probs[h] + t0);
-              const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(running_max[h]))));
-              denom[h] += _mm512_reduce_add_ps(p);
-              _mm512_storeu_ps(probs[h] + t0, p);
-            }
-          }
-          // Values: up to GB query heads at a time, their accumulators in registers.
-          for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += GB) {
-            const int gn = static_cast<int>(std::min<int64_t>(GB, (kvh + 1) * group - h0));
-            __m512 a[GB][CH];
-            for (int g = 0; g < GB; ++g)
-              if (g < gn)
-                for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[h0 + g] + 16 * c);
-            for (int64_t t = 0; t < n; ++t) {
-              const T* vt = vblock + t * token_stride + kvh * D;
-              __m512 vv[CH];
-              for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
-              for (int g = 0; g < GB; ++g) {
-                if (g >= gn) break;
-                const __m512 p = _mm512_set1_ps(probs[h0 + g][t]);
-                for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
-              }
-            }
-            for (int g = 0; g < GB; ++g)
-              if (g < gn)
-                for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h0 + g] + 16 * c, a[g][c]);
-          }
+    const int64_t len = seq_lens[row];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const T* qrow = q + row * num_heads * D;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
+      running_max[h] = -std::numeric_limits<float>::infinity();
+      denom[h] = 0.0f;
+    }
+    const int64_t* table = block_tables + row * table_stride;
+    for (int64_t start = first - first % block_size; start < len; start += block_size) {
+      const int64_t block = table[start / block_size];
+      const int64_t lo = std::max(start, first), n = std::min(start + block_size, len) - lo;
+      const T* kblock = k_cache + block * block_stride + (lo - start) * token_stride;
+      const T* vblock = v_cache + block * block_stride + (lo - start) * token_stride;
+      if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
+        const char* kn = reinterpret_cast<const char*>(k_cache + table[start / block_size + 1] * block_stride);
+        const char* vn = reinterpret_cast<const char*>(v_cache + table[start / block_size + 1] * block_stride);
+        for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(kn + off, _MM_HINT_T0);
+          _mm_prefetch(vn + off, _MM_HINT_T0);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* o = out + (row * num_heads + h) * D;
-        const __m512 inv = _mm512_set1_ps(denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f);
-        for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
+      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {  // scores (16 tokens at a time) and their max
+            const int64_t m = std::min<int64_t>(16, n - t0);
+            const __m512 sv = _mm512_mul_ps(
+                scores16<CH>(qrow + h * D, kblock + t0 * token_stride + kvh * D, token_stride, m),
+                _mm512_set1_ps(scale));
+            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(static_cast<__mmask16>((1u << m) - 1u), sv));
+            _mm512_storeu_ps(probs[h] + t0, sv);
+          }
+          if (block_max > running_max[h]) {  // online softmax: rescale what was accumulated to the new max
+            const float rescale = std::exp(running_max[h] - block_max);
+            denom[h] *= rescale;
+            for (int c = 0; c < CH; ++c)
+              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c),
+                                                             _mm512_set1_ps(rescale)));
+            running_max[h] = block_max;
+          }
+          for (int64_t t0 = 0; t0 < n; t0 += 16) {  // probabilities exp(score - max), 0 past the block's end
+            const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t0)) - 1u);
+            const __m512 sv = _mm512_loadu_ps(probs[h] + t0);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(running_max[h]))));
+            denom[h] += _mm512_reduce_add_ps(p);
+            _mm512_storeu_ps(probs[h] + t0, p);
+          }
+        }
+        // Values: up to GB query heads at a time, their accumulators in registers.
+        for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += GB) {
+          const int gn = static_cast<int>(std::min<int64_t>(GB, (kvh + 1) * group - h0));
+          __m512 a[GB][CH];
+          for (int g = 0; g < GB; ++g)
+            if (g < gn)
+              for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[h0 + g] + 16 * c);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* vt = vblock + t * token_stride + kvh * D;
+            __m512 vv[CH];
+            for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
+            for (int g = 0; g < GB; ++g) {
+              if (g >= gn) break;
+              const __m512 p = _mm512_set1_ps(probs[h0 + g][t]);
+              for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+            }
+          }
+          for (int g = 0; g < GB; ++g)
+            if (g < gn)
+              for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h0 + g] + 16 * c, a[g][c]);
+        }
       }
+    }
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* o = out + (row * num_heads + h) * D;
+      const __m512 inv = _mm512_set1_ps(denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f);
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
     }
   };
   // Rows differ in length by up to the context length (decode rows come sorted by it, and a prefill row's
   // tokens grow along it): hand them out one at a time, not in equal contiguous ranges.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t row = 0; row < num_rows; ++row) rows_of(row, row + 1);
+  for (int64_t row = 0; row < num_rows; ++row) one_row(row);
 }
 
 template <typename T>
