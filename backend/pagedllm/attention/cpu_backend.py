@@ -34,8 +34,10 @@ class CpuAttention:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
         store_kv(k, v, kv_cache, meta.slot_mapping)
-        tables, lens = meta.backend_cache.get("cpu_rows") or meta.backend_cache.setdefault(
-            "cpu_rows", self._token_rows(meta, q.shape[0], q.device))
+        rows = meta.backend_cache.get("cpu_rows")
+        if rows is None:  # the first layer of the step
+            rows = meta.backend_cache["cpu_rows"] = self._token_rows(meta, q.shape[0], q.device)
+        tables, lens = rows
         return self._kernel.paged_decode_attention(q, kv_cache[0], kv_cache[1], tables, lens, scale,
                                                    sliding_window)
 

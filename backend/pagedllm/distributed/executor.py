@@ -20,7 +20,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pagedllm.distributed import comm
 from pagedllm.distributed.tensor_parallel import check_shardable
 from pagedllm.engine.model_runner import StepInputs
 from pagedllm.engine.worker import Worker
+from pagedllm.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ def rank_device(device: str, rank: int) -> str:
         base = int(device.split(":")[1]) if ":" in device else 0
         return f"cuda:{base + rank}"
     return device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _python() -> str:
@@ -116,7 +110,7 @@ class MultiprocExecutor:
         if backend == "nccl" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size: {world} needs {world} GPUs, {torch.cuda.device_count()} "
                              "visible")
-        port = _free_port()
+        port = free_port()
         # Held for the executor's life: the group's rendezvous server lives in this process.
         self._store = store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                                             timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))

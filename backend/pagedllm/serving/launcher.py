@@ -13,13 +13,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagedllm.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_TEMPLATE = REPO_ROOT / "model_repository" / "pagedllm"
@@ -84,12 +85,6 @@ def ensure_default_model(path: Path = DEFAULT_MODEL_DIR) -> Path:
         print(f"making the default model (tiny random Llama) in {path}", flush=True)
         make_tiny_model(str(path), arch="llama", size="tiny")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(install: TritonInstall) -> dict:
