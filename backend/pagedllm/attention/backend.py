@@ -10,7 +10,14 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    """A backend owns the arrangement of elements inside each cache block (the cache's shape is the engine's):
+    only its own `store_kv` writes the cache and only its own `forward` reads it."""
+
     name: str
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Writes k, v [T, KVH, D] into their slots (block * block_size + offset; -1 = padding, skipped)."""
+        ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """CPU attention through our AVX-512 paged kernel, which reads K/V in place through the block table.
 
-One kernel call per layer serves the whole mixed batch: a decode row is one query token, and a prefill
-token at position p is treated as a decode row whose context is its row's first p + 1 tokens (this step's
-K/V are stored first, so they are there). Measured faster than batched fp32 matmuls over a prefill row at
-every length tried (128 to 2,048 tokens) and than the torch backend for decodes and prefills alike
-(perf/attention_share.py).
+The cache blocks are arranged for the kernel's dot products (pagedllm_kernels/cpu/kv_layout.py), so this
+backend writes them with its own store kernel. One kernel call per layer serves the whole mixed batch: a
+decode row is one query token, and a prefill token at position p is treated as a decode row whose context is
+its row's first p + 1 tokens (this step's K/V are stored first, so they are there). Measured faster than the
+torch backend for decodes and prefills alike (perf/attention_share.py).
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import store_kv
 
 
 class CpuAttention:
     name = "cpu"
 
     def __init__(self) -> None:
+        from pagedllm_kernels.cpu import kv_layout
         from pagedllm_kernels.cpu import paged_decode_attention as kernel
 
         ok, why = kernel.cpu_supported()
         if not ok:
             raise RuntimeError(why)
-        self._kernel = kernel
+        self._kernel, self._layout = kernel, kv_layout
 
     def warm_up(self, device: str) -> None:
         """Compile (or load the cached build of) the kernel; only for CPU engines, so GPU hosts skip it."""
@@ -32,8 +32,11 @@ class CpuAttention:
             raise RuntimeError(f"a CPU kernel; the engine runs on {device}")
         self._kernel.load_kernel()
 
+    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        self._layout.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        self.store_kv(k, v, kv_cache, meta.slot_mapping)
         rows = meta.backend_cache.get("cpu_rows")
         if rows is None:  # the first layer of the step
             rows = meta.backend_cache["cpu_rows"] = self._token_rows(meta, q.shape[0], q.device)

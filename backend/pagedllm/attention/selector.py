@@ -69,22 +69,24 @@ def select_backend(name: str, shape: ProbeShape):
         return BUILDERS[selection.chosen](), selection
     candidates = list(BUILDERS) if name == "auto" else [name]
     probe = _make_probe(shape)
-    reference = _run(TorchAttention(), probe, shape)
+    torch_ref = TorchAttention()
+    reference = _run(torch_ref, probe, shape, _filled_cache(torch_ref, probe, shape))
     results, built = {}, {}
     for cand in candidates:
         try:
             backend = BUILDERS[cand]()
             if hasattr(backend, "warm_up"):  # one-time costs (compiling a kernel) are not its speed
                 backend.warm_up(shape.device)
+            cache = _filled_cache(backend, probe, shape)
             t0 = time.perf_counter()
-            out = _run(backend, probe, shape)
+            out = _run(backend, probe, shape, cache)
             first_ms = 1000 * (time.perf_counter() - t0)
             err = (out.float() - reference.float()).abs().max().item()
             if not err <= _TOLERANCE[shape.dtype]:
                 raise RuntimeError(f"output differs from the torch reference by {err:.3g}")
             best = min((r["ms"] for r in results.values() if r["ok"]), default=None)
             # Far behind already on its first run (e.g. an interpreter): no need to time it again.
-            ms = first_ms if best is not None and first_ms > 10 * best else _time(backend, probe, shape)
+            ms = first_ms if best is not None and first_ms > 10 * best else _time(backend, probe, shape, cache)
             results[cand] = {"ok": True, "ms": round(ms, 3)}
             built[cand] = backend
         except Exception as e:  # unavailable (no GPU, no triton) or wrong: report, do not crash
@@ -105,7 +107,7 @@ def select_backend(name: str, shape: ProbeShape):
 
 def _make_probe(s: ProbeShape) -> dict:
     """A mixed batch: 8 decode rows over 8-12 blocks of context and one 48-token chunk after 64 cached
-    tokens, in shuffled blocks."""
+    tokens, in shuffled blocks. `ctx_*` are every context token's K/V and slot (this step's tokens last)."""
     g = torch.Generator().manual_seed(0)  # CPU generator: tensors are made on the CPU, then moved
     ctx = [8 * s.block_size + 7 * i for i in range(8)] + [64 + 48]
     q_lens = [1] * 8 + [48]
@@ -120,21 +122,35 @@ def _make_probe(s: ProbeShape) -> dict:
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    slots = torch.cat([tables[i, (torch.arange(c - q, c) // s.block_size)] * s.block_size
-                       + torch.arange(c - q, c) % s.block_size for i, (c, q) in enumerate(zip(ctx, q_lens))])
-    t = starts[-1]
+
+    def slots(first: int, last: int, row: int) -> torch.Tensor:
+        pos = torch.arange(first, last)
+        return tables[row, pos // s.block_size] * s.block_size + pos % s.block_size
+
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(s.dtype).to(s.device)
 
-    return {"q": rnd(t, s.num_heads, s.head_dim), "k": rnd(t, s.num_kv_heads, s.head_dim),
-            "v": rnd(t, s.num_kv_heads, s.head_dim),
-            "cache": rnd(2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
-            "slots": slots.to(s.device), "tables": tables.to(s.device), "ctx": ctx, "starts": starts,
+    step_slots = torch.cat([slots(c - q, c, i) for i, (c, q) in enumerate(zip(ctx, q_lens))])
+    cached_slots = torch.cat([slots(0, c - q, i) for i, (c, q) in enumerate(zip(ctx, q_lens))])
+    t, cached = starts[-1], len(cached_slots)
+    k, v = rnd(cached + t, s.num_kv_heads, s.head_dim), rnd(cached + t, s.num_kv_heads, s.head_dim)
+    return {"q": rnd(t, s.num_heads, s.head_dim), "k": k[cached:], "v": v[cached:], "ctx_k": k, "ctx_v": v,
+            "ctx_slots": torch.cat([cached_slots, step_slots]).to(s.device), "num_blocks": num_blocks,
+            "slots": step_slots.to(s.device), "tables": tables.to(s.device), "ctx": ctx, "starts": starts,
             "q_lens": q_lens}
 
 
-def _run(backend, p: dict, s: ProbeShape) -> torch.Tensor:
-    cache = p["cache"].clone()
+def _filled_cache(backend, p: dict, s: ProbeShape) -> torch.Tensor:
+    """A cache holding every context token, written by the backend itself (it owns the layout in a block)."""
+    cache = torch.zeros(2, p["num_blocks"], s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+                        device=s.device)
+    with torch.inference_mode():
+        backend.store_kv(p["ctx_k"], p["ctx_v"], cache, p["ctx_slots"])
+    return cache
+
+
+def _run(backend, p: dict, s: ProbeShape, cache: torch.Tensor) -> torch.Tensor:
+    """One step. It stores this step's K/V again, over the same values, so it can be repeated on one cache."""
     meta = AttentionMetadata(
         slot_mapping=p["slots"], block_tables=p["tables"], seq_lens=torch.tensor(p["ctx"], device=s.device),
         query_start_loc=p["starts"], query_start_loc_t=torch.tensor(p["starts"], dtype=torch.int32,
@@ -145,14 +161,15 @@ def _run(backend, p: dict, s: ProbeShape) -> torch.Tensor:
         return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window)
 
 
-def _time(backend, p: dict, s: ProbeShape, repeats: int = 3) -> float:
+def _time(backend, p: dict, s: ProbeShape, cache: torch.Tensor, repeats: int = 10) -> float:
+    """The fastest of several runs: on a shared, noisy host, interference only ever adds time."""
     times = []
     for _ in range(repeats):
         if s.device != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _run(backend, p, s)
+        _run(backend, p, s, cache)
         if s.device != "cpu":
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
+    return min(times)

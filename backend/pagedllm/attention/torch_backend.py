@@ -59,6 +59,10 @@ class TorchAttention:
     def __init__(self) -> None:
         self.ws = Workspace()
 
+    @staticmethod
+    def store_kv(k, v, kv_cache, slot_mapping) -> None:
+        store_kv(k, v, kv_cache, slot_mapping)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)

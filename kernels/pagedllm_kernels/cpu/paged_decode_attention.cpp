@@ -1,10 +1,11 @@
 // Paged decode attention for CPUs with AVX-512 (and AVX512-BF16): one query token per row, K/V read in place
-// through the block table (no gather), online softmax over blocks, fp32 accumulation, bf16 or fp32 cache.
-// Parallel over rows; within a row, block by block, every KV head and the query heads that share it (GQA).
+// through the block table in the layout of kv_layout.h, online softmax block by block, fp32 accumulation.
+// Each KV head's query heads (GQA) are served from one pass over that KV head's contiguous run in each block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kv_layout.h"
 #include "simd.h"
 
 #include <cmath>
@@ -12,177 +13,214 @@
 
 namespace {
 
-using pagedllm::exp16;
-using pagedllm::load16;
+using pagedllm::kUnit;
 
-constexpr int kMaxHeads = 128;  // query heads per row
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kMaxHeads = 128; // query heads per row
+constexpr int kMaxBlock = 64;  // tokens per block
 
-// r[i] = sum of the lanes of v[i]: a transpose-and-add tree (15 adds) instead of 16 horizontal reductions.
-inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  // z holds the sums in the order 0, 4, 8, 12, 1, 5, ...; put sum i in lane i.
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
-}
-
-// Dot products of one query head with 16 tokens' keys (lanes past `m` are 0): unscaled scores.
-// fp32 cache: FMAs on fp32. bf16 cache: AVX512-BF16 dot-product instructions on the bf16 values as stored
-// (products of two bf16 are exact in fp32, sums in fp32, as SDPA's bf16 path does) with no conversion.
-template <int CH>
-inline __m512 scores16(const float* q, const float* kb, int64_t token_stride, int64_t m) {
-  __m512 qv[CH], dots[16];
-  for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int t = 0; t < 16; ++t) {
-    if (t >= m) { dots[t] = _mm512_setzero_ps(); continue; }
-    const float* kt = kb + t * token_stride;
-    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-    for (int c = 1; c < CH; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), d);
-    dots[t] = d;
+// Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
+// bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
+template <typename T>
+struct Units;
+template <>
+struct Units<float> {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static __m512 keep_elements(__m512 v, __mmask32) { return v; }  // a unit is one element: never split
+};
+template <>
+struct Units<at::BFloat16> {
+  static __m512 load(const at::BFloat16* p) { return _mm512_loadu_ps(p); }
+  static __m512 broadcast(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)));
   }
-  return hsum16(dots);
-}
+  static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static __m512 keep_elements(__m512 v, __mmask32 keep) {
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi16(keep, _mm512_castps_si512(v)));
+  }
+};
 
-template <int CH>
-inline __m512 scores16(const at::BFloat16* q, const at::BFloat16* kb, int64_t token_stride, int64_t m) {
-  constexpr int P = CH / 2;  // 32-element chunks
-  __m512bh qv[P];
-  __m512 dots[16];
-  for (int c = 0; c < P; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  if (m == 16) {  // the common case, without a branch per token (keeps dots[] in registers)
-    for (int t = 0; t < 16; ++t) {
-      const at::BFloat16* kt = kb + t * token_stride;
-      __m512 d = _mm512_setzero_ps();
-      for (int c = 0; c < P; ++c) d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-      dots[t] = d;
+// Unscaled scores of NG query heads for the 16 tokens c..c+15 of one (block, KV head) K run.
+// Two accumulators per head (even and odd units) halve the dependency chains.
+template <typename T, int U, int NG>
+inline void scores16(const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+  constexpr int P = kUnit<T>;
+  __m512 even[NG], odd[NG];
+  for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int j = 0; j < U; j += 2) {
+    const __m512 k0 = Units<T>::load(kb + (j * block_size + c) * P);
+    const __m512 k1 = Units<T>::load(kb + ((j + 1) * block_size + c) * P);
+    for (int g = 0; g < NG; ++g) {
+      even[g] = Units<T>::dot(even[g], k0, Units<T>::broadcast(qh[g] + j * P));
+      odd[g] = Units<T>::dot(odd[g], k1, Units<T>::broadcast(qh[g] + (j + 1) * P));
     }
-    return hsum16(dots);
   }
-  for (int t = 0; t < 16; ++t) {
-    if (t >= m) { dots[t] = _mm512_setzero_ps(); continue; }
-    const at::BFloat16* kt = kb + t * token_stride;
-    __m512 d = _mm512_setzero_ps();
-    for (int c = 0; c < P; ++c) d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-    dots[t] = d;
-  }
-  return hsum16(dots);
+  for (int g = 0; g < NG; ++g) s[g] = _mm512_add_ps(even[g], odd[g]);
 }
 
-// CH = head_dim / 16 is a compile-time constant so that queries, partial dot products and the output
-// accumulators live in registers. One work item per row; inside it, block by block and KV head by KV head:
-// a block's K (and V) rows hold all KV heads side by side, so they are read front to back once. The G query
-// heads sharing a KV head are served from one pass over its values (each V vector is converted once).
+// acc[g] += sum over units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in registers.
+// keep_first/keep_last mask the elements of the edge units that belong to tokens outside the live range
+// (their probabilities are 0, but the cache there may hold anything, even NaN).
+template <typename T, int CH, int NG>
+inline void weighted_values(const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                            __mmask32 keep_first, __mmask32 keep_last) {
+  constexpr int P = kUnit<T>, D = 16 * CH;
+  __m512 a[NG][CH];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
+  for (int64_t u = u0; u < u1; ++u) {
+    const T* vr = vb + u * D * P;
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = Units<T>::load(vr + 16 * c * P);
+    const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
+    if (keep != ~0u)
+      for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = Units<T>::broadcast(probs[g] + u * P);
+      for (int c = 0; c < CH; ++c) a[g][c] = Units<T>::dot(a[g][c], vv[c], p);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[g] + 16 * c, a[g][c]);
+}
+
+// The two passes for a run-time head count ng <= NG (templates need it at compile time).
+template <typename T, int U, int NG>
+inline void scores16_for(int ng, const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+  if constexpr (NG > 1)
+    if (ng < NG) return scores16_for<T, U, NG - 1>(ng, qh, kb, block_size, c, s);
+  scores16<T, U, NG>(qh, kb, block_size, c, s);
+}
+template <typename T, int CH, int NG>
+inline void weighted_values_for(int ng, const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                                __mmask32 keep_first, __mmask32 keep_last) {
+  if constexpr (NG > 1)
+    if (ng < NG) return weighted_values_for<T, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
+  weighted_values<T, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
+}
+
+// Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
+inline __mmask16 live_lanes(int64_t c, int64_t a, int64_t b) {
+  const int64_t lo = std::max<int64_t>(a - c, 0), hi = std::min<int64_t>(b - c, 16);
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
 template <typename T, int CH>
-void decode_rows(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                 const int64_t* seq_lens, float* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t block_size, int64_t table_stride, int64_t block_stride, int64_t token_stride, float scale,
-                 int64_t window) {
+void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* seq_lens, T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t block_size, int64_t table_stride, float scale, int64_t window) {
   constexpr int64_t D = 16 * CH;
-  constexpr int GB = 4;  // query heads whose accumulators are held in registers at once
-  const int64_t group = num_heads / num_kv_heads;  // query heads reading one KV head
-  auto one_row = [&](int64_t row) {
+  constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
+  constexpr int SB = 4;                 // query heads per scores pass
+  constexpr int VB = CH <= 4 ? 4 : 2;   // query heads per values pass: VB * CH accumulators in registers
+  const int64_t group = num_heads / num_kv_heads, run = block_size * D;
+  // One work item: a row's KV heads k0..k1-1 (contiguous in every block) and the query heads reading them.
+  auto attend = [&](int64_t row, int64_t k0, int64_t k1) {
+    const int64_t served = (k1 - k0) * group;
     alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
-    alignas(64) float probs[kMaxHeads][64 + 16];  // exp(score - running max) of the block's tokens
+    alignas(64) float scores[kMaxGroup][kMaxBlock];
+    alignas(64) T probs[kMaxGroup][kMaxBlock];  // exp(score - running max), in the cache's dtype
     float running_max[kMaxHeads], denom[kMaxHeads];
-    const int64_t len = seq_lens[row];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const T* qrow = q + row * num_heads * D;
-    for (int64_t h = 0; h < num_heads; ++h) {
+    const T* qh[kMaxHeads];
+    float* acc_h[kMaxHeads];
+    T* probs_h[kMaxGroup];
+    for (int64_t h = 0; h < served; ++h) {
+      qh[h] = q + row * q_stride + (k0 * group + h) * D;
+      acc_h[h] = acc[h];
       for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
       running_max[h] = -std::numeric_limits<float>::infinity();
       denom[h] = 0.0f;
     }
+    for (int64_t g = 0; g < group; ++g) probs_h[g] = probs[g];
+    const int64_t len = seq_lens[row];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     const int64_t* table = block_tables + row * table_stride;
     for (int64_t start = first - first % block_size; start < len; start += block_size) {
-      const int64_t block = table[start / block_size];
-      const int64_t lo = std::max(start, first), n = std::min(start + block_size, len) - lo;
-      const T* kblock = k_cache + block * block_stride + (lo - start) * token_stride;
-      const T* vblock = v_cache + block * block_stride + (lo - start) * token_stride;
+      const int64_t idx = start / block_size;
+      const int64_t base = (table[idx] * num_kv_heads + k0) * run;
       if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
-        const char* kn = reinterpret_cast<const char*>(k_cache + table[start / block_size + 1] * block_stride);
-        const char* vn = reinterpret_cast<const char*>(v_cache + table[start / block_size + 1] * block_stride);
-        for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
+        const int64_t next = (table[idx + 1] * num_kv_heads + k0) * run;
+        const char* kn = reinterpret_cast<const char*>(k_cache + next);
+        const char* vn = reinterpret_cast<const char*>(v_cache + next);
+        for (int64_t off = 0; off < (k1 - k0) * run * static_cast<int64_t>(sizeof(T)); off += 64) {
           _mm_prefetch(kn + off, _MM_HINT_T0);
           _mm_prefetch(vn + off, _MM_HINT_T0);
         }
       }
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {  // scores (16 tokens at a time) and their max
-            const int64_t m = std::min<int64_t>(16, n - t0);
-            const __m512 sv = _mm512_mul_ps(
-                scores16<CH>(qrow + h * D, kblock + t0 * token_stride + kvh * D, token_stride, m),
-                _mm512_set1_ps(scale));
-            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(static_cast<__mmask16>((1u << m) - 1u), sv));
-            _mm512_storeu_ps(probs[h] + t0, sv);
+      const int64_t a = std::max(start, first) - start, b = std::min(start + block_size, len) - start;
+      const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
+      // bf16: an edge unit (a token pair) may hold a token outside [a, b): keep only the live one's elements.
+      const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
+      for (int64_t kvh = k0; kvh < k1; ++kvh) {
+        const T* kb = k_cache + base + (kvh - k0) * run;
+        const T* vb = v_cache + base + (kvh - k0) * run;
+        const int64_t hq = (kvh - k0) * group;  // this KV head's first query head among those served
+        for (int64_t h0 = 0; h0 < group; h0 += SB) {
+          const int ng = static_cast<int>(std::min<int64_t>(SB, group - h0));
+          for (int64_t c = c0; c < b; c += 16) {
+            __m512 s[SB];
+            scores16_for<T, U, SB>(ng, qh + hq + h0, kb, block_size, c, s);
+            for (int g = 0; g < ng; ++g)
+              _mm512_store_ps(scores[h0 + g] + c, _mm512_mul_ps(s[g], _mm512_set1_ps(scale)));
           }
-          if (block_max > running_max[h]) {  // online softmax: rescale what was accumulated to the new max
+        }
+        for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
+          const int64_t h = hq + g;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t c = c0; c < b; c += 16)
+            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live_lanes(c, a, b),
+                                                                       _mm512_load_ps(scores[g] + c)));
+          if (block_max > running_max[h]) {
             const float rescale = std::exp(running_max[h] - block_max);
             denom[h] *= rescale;
             for (int c = 0; c < CH; ++c)
-              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c),
-                                                             _mm512_set1_ps(rescale)));
+              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), _mm512_set1_ps(rescale)));
             running_max[h] = block_max;
           }
-          for (int64_t t0 = 0; t0 < n; t0 += 16) {  // probabilities exp(score - max), 0 past the block's end
-            const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t0)) - 1u);
-            const __m512 sv = _mm512_loadu_ps(probs[h] + t0);
-            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(running_max[h]))));
+          const __m512 m = _mm512_set1_ps(running_max[h]);
+          for (int64_t c = c0; c < b; c += 16) {
+            // Rounded to the cache's dtype first, so the denominator sums exactly the weights the values get.
+            const __m512 p = pagedllm::round_to(probs[g], _mm512_maskz_mov_ps(
+                live_lanes(c, a, b), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[g] + c), m))));
             denom[h] += _mm512_reduce_add_ps(p);
-            _mm512_storeu_ps(probs[h] + t0, p);
+            pagedllm::store16(probs[g] + c, p);
           }
         }
-        // Values: up to GB query heads at a time, their accumulators in registers.
-        for (int64_t h0 = kvh * group; h0 < (kvh + 1) * group; h0 += GB) {
-          const int gn = static_cast<int>(std::min<int64_t>(GB, (kvh + 1) * group - h0));
-          __m512 a[GB][CH];
-          for (int g = 0; g < GB; ++g)
-            if (g < gn)
-              for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[h0 + g] + 16 * c);
-          for (int64_t t = 0; t < n; ++t) {
-            const T* vt = vblock + t * token_stride + kvh * D;
-            __m512 vv[CH];
-            for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
-            for (int g = 0; g < GB; ++g) {
-              if (g >= gn) break;
-              const __m512 p = _mm512_set1_ps(probs[h0 + g][t]);
-              for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
-            }
-          }
-          for (int g = 0; g < GB; ++g)
-            if (g < gn)
-              for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h0 + g] + 16 * c, a[g][c]);
-        }
+        for (int64_t h0 = 0; h0 < group; h0 += VB)
+          weighted_values_for<T, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
+                                         acc_h + hq + h0, u0, u1, keep_first, keep_last);
       }
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* o = out + (row * num_heads + h) * D;
+    for (int64_t h = 0; h < served; ++h) {
+      T* o = out + (row * num_heads + k0 * group + h) * D;
       const __m512 inv = _mm512_set1_ps(denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f);
-      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
+      for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
     }
   };
+  // Enough rows: one item per row, so each block is read as one contiguous run and prefetched whole. Few rows
+  // (small batches, one long prefill row): one item per (row, KV head), so every thread has work.
+  const int threads = at::get_num_threads();
+  const int64_t heads_per_item = num_rows >= 4 * threads ? num_kv_heads : 1;
+  const int64_t splits = num_kv_heads / heads_per_item;
   // Rows differ in length by up to the context length (decode rows come sorted by it, and a prefill row's
-  // tokens grow along it): hand them out one at a time, not in equal contiguous ranges.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t row = 0; row < num_rows; ++row) one_row(row);
+  // tokens grow along it): hand the items out one at a time, not in equal contiguous ranges.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < num_rows * splits; ++item) {
+    const int64_t k0 = (item % splits) * heads_per_item;
+    attend(item / splits, k0, k0 + heads_per_item);
+  }
 }
 
 template <typename T>
-void dispatch_head_dim(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lens, float* out,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t table_stride, int64_t block_stride, int64_t token_stride, float scale, int64_t window) {
-#define PAGEDLLM_CASE(CH)                                                                                   \
-  case 16 * CH:                                                                                             \
-    return decode_rows<T, CH>(q, k, v, tables, lens, out, rows, heads, kv_heads, block_size, table_stride,   \
-                              block_stride, token_stride, scale, window);
+void dispatch_head_dim(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables,
+                       const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t table_stride, float scale, int64_t window) {
+#define PAGEDLLM_CASE(CH)                                                                                    \
+  case 16 * CH:                                                                                              \
+    return decode_items<T, CH>(q, q_stride, k, v, tables, lens, out, rows, heads, kv_heads, block_size,       \
+                               table_stride, scale, window);
   switch (head_dim) {
     PAGEDLLM_CASE(2)
     PAGEDLLM_CASE(4)
@@ -196,13 +234,14 @@ void dispatch_head_dim(const T* q, const T* k, const T* v, const int64_t* tables
 
 }  // namespace
 
-// q [rows, H, D]; k_cache, v_cache [blocks, block_size, KVH, D] (contiguous); block_tables [rows, max_blocks]
-// int64; seq_lens [rows] int64 (context length including the query token); window <= 0: none.
-// Returns fp32 [rows, H, D].
+// q [rows, H, D] (rows may be strided); k_cache, v_cache [blocks, block_size, KVH, D] contiguous, in the
+// layout of kv_layout.h; block_tables [rows, max_blocks] int64; seq_lens [rows] int64 (context length
+// including the query token); window <= 0: none. Returns [rows, H, D] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [rows, heads, head_dim] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [rows, heads, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
@@ -214,23 +253,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim, "q and the cache disagree on head_dim");
-  TORCH_CHECK(heads % kv_heads == 0 && heads <= kMaxHeads, "heads must be a multiple of kv_heads, at most 128");
-  TORCH_CHECK(block_size <= 64, "block_size must be <= 64");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && heads <= kMaxHeads,
+              "heads must be a multiple of kv_heads, at most 16 per KV head and 128 in all");
+  TORCH_CHECK(block_size % 16 == 0 && block_size <= kMaxBlock, "block_size must be 16, 32, 48 or 64");
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
-  auto out = torch::empty({rows, heads, head_dim}, q.options().dtype(at::kFloat));
-  const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  auto out = torch::empty({rows, heads, head_dim}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    dispatch_head_dim<float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                              block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                             rows, heads, kv_heads, head_dim, block_size, block_tables.stride(0), block_stride,
-                             token_stride, static_cast<float>(scale), window);
+                             rows, heads, kv_heads, head_dim, block_size, block_tables.stride(0),
+                             static_cast<float>(scale), window);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
-    dispatch_head_dim<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+    dispatch_head_dim<at::BFloat16>(q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
                                     v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),
-                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), rows, heads, kv_heads,
-                                    head_dim, block_size, block_tables.stride(0), block_stride, token_stride,
-                                    static_cast<float>(scale), window);
+                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), rows, heads, kv_heads,
+                                    head_dim, block_size, block_tables.stride(0), static_cast<float>(scale), window);
   }
   return out;
 }

@@ -1,8 +1,8 @@
 """Paged decode attention on AVX-512 CPUs: the C++ kernel beside this file, its launcher, and a torch reference.
 
-The kernel reads K/V in place through the block table (the torch path gathers them into a padded copy first)
-and serves all query heads of a KV head from one pass over its K/V. It is compiled on first use into torch's
-extension cache (see build.py).
+The kernel reads K/V in place through the block table, in the layout kv_layout.py describes (the torch path
+gathers them into a padded copy first), and serves all query heads of a KV head from one pass over that KV
+head's run in each block. It is compiled on first use into torch's extension cache (see build.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ def load_kernel() -> None:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int | None = None) -> torch.Tensor:
-    """q [rows, H, D]; caches [blocks, block_size, KVH, D]; block_tables [rows, >= ceil(len/bs)] int64;
-    seq_lens [rows] int64 (including the query token). Returns [rows, H, D] in q's dtype."""
+    """q [rows, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py);
+    block_tables [rows, >= ceil(len/bs)] int64; seq_lens [rows] int64 (including the query token).
+    Returns [rows, H, D] in q's dtype."""
     if q.device.type != "cpu":
         raise ValueError("paged_decode_attention is a CPU kernel")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
@@ -33,13 +34,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
     if block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError("one block table row and one length per query row")
-    out = extension().paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables.long(),
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return extension().paged_decode_attention(q, k_cache, v_cache, block_tables.long(),
                                               seq_lens.long().contiguous(), float(scale), window or 0)
-    return out.to(q.dtype)
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
-    """Row by row: gather the row's blocks, attend with SDPA in fp32."""
+    """Row by row: gather the row's blocks, attend with SDPA in fp32. Caches in the plain layout."""
     bs = k_cache.shape[1]
     out = torch.empty_like(q)
     for r in range(q.shape[0]):
