@@ -9,7 +9,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax(torch::Tensor x);
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (AVX-512, fp32 math)");
@@ -17,6 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, fp32 statistics");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate-half layout)");
-  m.def("amx_linear", &amx_linear, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
 }

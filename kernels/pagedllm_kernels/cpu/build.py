@@ -24,12 +24,6 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def amx_supported() -> tuple[bool, str]:
-    """AMX tiles with bf16 (checked apart: the extension builds without them, the AMX kernels then go unused)."""
-    missing = [f for f in ("amx_tile", "amx_bf16") if f not in _cpu_flags()]
-    return (False, f"needs CPU features {', '.join(missing)}") if missing else cpu_supported()
-
-
 def cpu_supported() -> tuple[bool, str]:
     missing = [f for f in _NEEDED_FLAGS if f not in _cpu_flags()]
     return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
@@ -47,6 +41,5 @@ def extension():
     digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files)).hexdigest()[:12]
     # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
     return load(name=f"pagedllm_cpu_{digest}", sources=[f for f in files if f.endswith(".cpp")], verbose=False,
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
-                              "-mamx-bf16", "-fopenmp"],
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
