@@ -76,3 +76,35 @@ def test_a_wrong_backend_is_rejected(llama_dir, monkeypatch):
 def test_unknown_backend_name_is_an_error(llama_dir):
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(llama_dir, attention_backend="flash9000")
+
+
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("window", [None, 16])
+def test_cpu_backend_mixes_kernel_rows_and_fresh_prompts(window):
+    """One step with 2 decode rows, a fresh 40-token prompt (fused SDPA unless longer than the window), and a
+    12-token chunk after 30 cached tokens (kernel rows): the cpu backend must match the torch reference."""
+    import torch
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    bs, kvh, heads, d = 16, 2, 6, 32
+    ctx, q_lens = [37, 50, 40, 42], [1, 1, 40, 12]
+    g = torch.Generator().manual_seed(4)
+    tables = (torch.randperm(20, generator=g)[:16] + 1).view(4, 4)
+    starts = [0, 1, 2, 42, 54]
+    slots_of = [tables[i, torch.arange(c) // bs] * bs + torch.arange(c) % bs for i, c in enumerate(ctx)]
+    k_all, v_all = (torch.randn(sum(ctx), kvh, d, generator=g) for _ in range(2))
+    q = torch.randn(starts[-1], heads, d, generator=g)
+    offsets = [0, 37, 87, 127]
+    step = torch.cat([torch.arange(o + c - n, o + c) for o, c, n in zip(offsets, ctx, q_lens)])
+    outs = {}
+    for name in ("torch", "cpu"):
+        backend = selector.BUILDERS[name]()
+        cache = torch.zeros(2, 21, bs, kvh, d)
+        backend.store_kv(k_all, v_all, cache, torch.cat(slots_of))  # every context token, as earlier steps would
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots_of)[step], block_tables=tables, seq_lens=torch.tensor(ctx),
+            query_start_loc=starts, query_start_loc_t=torch.tensor(starts, dtype=torch.int32), max_query_len=40,
+            seq_lens_list=ctx, num_decodes=2, block_size=bs, backend=backend)
+        with torch.inference_mode():
+            outs[name] = backend.forward(q, k_all[step], v_all[step], cache, meta, d ** -0.5, window)
+    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-4, rtol=1e-4)

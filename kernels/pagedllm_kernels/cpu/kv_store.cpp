@@ -1,5 +1,7 @@
 // Writes this step's K/V into their cache slots in the layout of kv_layout.h (slot -1 = padding, skipped).
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include "kv_layout.h"
 
@@ -9,10 +11,20 @@ template <typename T>
 void store(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
            const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
   const int64_t run = block_size * head_dim;  // one (block, kv head)
+  const int64_t run_bytes = run * static_cast<int64_t>(sizeof(T));
   auto one_token = [&](int64_t i) {
     const int64_t slot = slots[i];
     if (slot < 0) return;
     const int64_t block = slot / block_size, t = slot % block_size;
+    // A token's K units are spread over its whole (block, head) K run, one 4-byte unit per cache line: request
+    // every line first so the misses overlap instead of stalling store by store.
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const char* kr = reinterpret_cast<const char*>(k_cache + (block * kv_heads + h) * run);
+      const char* vr = reinterpret_cast<const char*>(v_cache + (block * kv_heads + h) * run);
+      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(kr + off, _MM_HINT_T0);
+      const int64_t v_first = pagedllm::v_offset<T>(t, 0, head_dim) * static_cast<int64_t>(sizeof(T));
+      for (int64_t off = v_first; off < v_first + head_dim * 4; off += 64) _mm_prefetch(vr + off, _MM_HINT_T0);
+    }
     for (int64_t h = 0; h < kv_heads; ++h) {
       T* kr = k_cache + (block * kv_heads + h) * run;
       T* vr = v_cache + (block * kv_heads + h) * run;
@@ -24,8 +36,8 @@ void store(const T* k, const T* v, int64_t k_stride, int64_t v_stride, T* k_cach
       }
     }
   };
-  // Slots are distinct, so tokens can be written in parallel; a decode step's few tokens are not worth threads.
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (tokens >= 256)
+  // Slots are distinct, so tokens can be written in parallel.
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (tokens >= 16)
   for (int64_t i = 0; i < tokens; ++i) one_token(i);
 }
 
