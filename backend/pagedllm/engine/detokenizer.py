@@ -14,11 +14,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
+        # A fast tokenizer's Rust decoder is what its `decode` calls when spaces are not cleaned up; called
+        # directly it skips the Python wrapper, which cost more than the decoding (2 calls per token).
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
                                      clean_up_tokenization_spaces=False)
 
