@@ -198,3 +198,42 @@ def test_fused_argmax_takes_the_first_of_ties(dtype):
     got = fused_ops.argmax(x)
     assert got.dtype == torch.int64 and torch.equal(got, fused_ops.reference_argmax(x))
     assert got[3] == 100 and got[4] == 1005 and got[5] == 0
+
+
+amx_ok, amx_why = __import__("pagedllm_kernels.cpu.build", fromlist=["amx_supported"]).amx_supported()
+
+
+@pytest.mark.skipif(not amx_ok, reason=amx_why)
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 32), (5, 96, 64), (33, 768, 768), (64, 256, 1280),
+                                                            (700, 2048, 64)])  # 700: oneDNN on the unpacked weight
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_matches_f_linear(rows, in_features, out_features, with_bias):
+    from pagedllm_kernels.cpu import amx_linear
+
+    x, w = _bf16(rows, in_features, seed=1), _bf16(out_features, in_features, seed=2)
+    b = _bf16(out_features, seed=3) if with_bias else None
+    got = amx_linear.linear(x, amx_linear.pack_weight(w), None if b is None else b.float())
+    ref = amx_linear.reference(x, w, b)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    # fp32 sums of exact bf16 products, rounded once: as oneDNN's, up to the order of the sums (which moves
+    # an output by a unit in the last place now and then, two where a sum nearly cancels).
+    assert (got == ref).float().mean() > 0.99
+    exact = x.float() @ w.float().T + (0 if b is None else b.float())
+    torch.testing.assert_close(got.float(), exact, atol=0.05, rtol=1e-2)
+
+
+@pytest.mark.skipif(not amx_ok, reason=amx_why)
+def test_amx_linear_reads_strided_rows_and_checks_its_inputs():
+    from pagedllm_kernels.cpu import amx_linear
+
+    wide, w = _bf16(7, 128, seed=4), _bf16(64, 64, seed=5)
+    x = wide[:, ::2]  # columns strided
+    assert (amx_linear.linear(x, amx_linear.pack_weight(w)) == amx_linear.reference(x, w)).float().mean() > 0.99
+    big = _bf16(96, 160, seed=6)
+    assert torch.equal(amx_linear.unpack_weight(amx_linear.pack_weight(big)), big)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        amx_linear.pack_weight(_bf16(48, 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        amx_linear.linear(_bf16(3, 32), amx_linear.pack_weight(w))
+    with pytest.raises(RuntimeError, match="bias"):
+        amx_linear.linear(_bf16(3, 64), amx_linear.pack_weight(w), torch.zeros(32))

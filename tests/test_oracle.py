@@ -105,12 +105,12 @@ def test_bfloat16_runs_and_mostly_agrees(model_dir, prompts):
 
 
 def test_packed_bf16_linears_change_no_token(model_dir, prompts, monkeypatch):
-    """oneDNN-packed bf16 linears (CPU) must be bit-identical to plain ones: same greedy tokens."""
+    """Packed bf16 linears (our AMX kernel, or oneDNN elsewhere) must change no greedy token."""
     from pagedllm.models import loader
 
     d = model_dir("qwen2")
     packed = LLM(d, dtype="bfloat16", max_model_len=1024)
-    n_packed = sum(type(m).__name__ == "PackedLinear" for m in packed.engine.executor.model.modules())
+    n_packed = sum(type(m).__name__ in ("PackedLinear", "AmxLinear") for m in packed.engine.executor.model.modules())
     monkeypatch.setattr(loader, "pack_linears", lambda model: 0)
     plain = LLM(d, dtype="bfloat16", max_model_len=1024)
     if n_packed == 0:

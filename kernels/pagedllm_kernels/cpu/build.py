@@ -24,6 +24,13 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def amx_supported() -> tuple[bool, str]:
+    """AMX tiles with bf16, on top of what every kernel here needs. The extension is built with the AMX code
+    either way; on CPUs without AMX it is simply never called."""
+    missing = [f for f in ("amx_tile", "amx_bf16") if f not in _cpu_flags()]
+    return (False, f"needs CPU features {', '.join(missing)}") if missing else cpu_supported()
+
+
 def cpu_supported() -> tuple[bool, str]:
     missing = [f for f in _NEEDED_FLAGS if f not in _cpu_flags()]
     return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
@@ -41,5 +48,6 @@ def extension():
     digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files)).hexdigest()[:12]
     # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
     return load(name=f"pagedllm_cpu_{digest}", sources=[f for f in files if f.endswith(".cpp")], verbose=False,
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+                              "-mamx-bf16", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
