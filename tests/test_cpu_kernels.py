@@ -4,7 +4,7 @@ sliding windows; the fused ops."""
 
 import pytest
 import torch
-from pagedllm_kernels.cpu import kv_layout
+from pagedllm_kernels.cpu import amx_linear, kv_layout
 from pagedllm_kernels.cpu import paged_decode_attention as kernel
 
 supported, why = kernel.cpu_supported()
@@ -200,7 +200,7 @@ def test_fused_argmax_takes_the_first_of_ties(dtype):
     assert got[3] == 100 and got[4] == 1005 and got[5] == 0
 
 
-amx_ok, amx_why = __import__("pagedllm_kernels.cpu.build", fromlist=["amx_supported"]).amx_supported()
+amx_ok, amx_why = amx_linear.amx_supported()
 
 
 @pytest.mark.skipif(not amx_ok, reason=amx_why)
@@ -208,8 +208,6 @@ amx_ok, amx_why = __import__("pagedllm_kernels.cpu.build", fromlist=["amx_suppor
                                                             (700, 2048, 64)])  # 700: oneDNN on the unpacked weight
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_matches_f_linear(rows, in_features, out_features, with_bias):
-    from pagedllm_kernels.cpu import amx_linear
-
     x, w = _bf16(rows, in_features, seed=1), _bf16(out_features, in_features, seed=2)
     b = _bf16(out_features, seed=3) if with_bias else None
     got = amx_linear.linear(x, amx_linear.pack_weight(w), None if b is None else b.float())
@@ -224,8 +222,6 @@ def test_amx_linear_matches_f_linear(rows, in_features, out_features, with_bias)
 
 @pytest.mark.skipif(not amx_ok, reason=amx_why)
 def test_amx_linear_reads_strided_rows_and_checks_its_inputs():
-    from pagedllm_kernels.cpu import amx_linear
-
     wide, w = _bf16(7, 128, seed=4), _bf16(64, 64, seed=5)
     x = wide[:, ::2]  # columns strided
     assert (amx_linear.linear(x, amx_linear.pack_weight(w)) == amx_linear.reference(x, w)).float().mean() > 0.99

@@ -8,6 +8,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 #include <cstdint>
 
 namespace {
@@ -79,7 +81,7 @@ void row_pair_times_panel_pair(const at::BFloat16* x, const at::BFloat16* panel,
       for (int p = 0; p < 2; ++p) {
         __m512 v = _mm512_load_ps(c[half * 2 + p][i]);
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + p * 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + row * N + n0 + p * 16), (__m256i)_mm512_cvtneps_pbh(v));
+        pagedllm::store16(y + row * N + n0 + p * 16, v);
       }
     }
   }

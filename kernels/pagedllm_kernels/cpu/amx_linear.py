@@ -15,16 +15,10 @@ import torch.nn.functional as F
 
 from pagedllm_kernels.cpu.build import amx_supported, extension
 
-__all__ = ["MAX_ROWS", "amx_supported", "can_pack", "load_kernel", "pack_weight", "unpack_weight", "linear",
-           "reference"]
+__all__ = ["MAX_ROWS", "amx_supported", "can_pack", "pack_weight", "unpack_weight", "linear", "reference"]
 
 MAX_ROWS = 128
 _unpacked: torch.Tensor | None = None  # reused buffer for unpacked weights (a process runs one engine)
-
-
-def load_kernel() -> None:
-    """Compile (or load the cached build of) the CPU kernels; raises RuntimeError with the reason when it cannot."""
-    extension()
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -32,11 +32,11 @@ def _amx_kernel():
     if os.environ.get("PAGEDLLM_AMX_LINEAR", "1") == "0":
         return None
     try:
-        from pagedllm_kernels.cpu import amx_linear
+        from pagedllm_kernels.cpu import amx_linear, build
 
-        if not amx_linear.amx_supported()[0]:
+        if not build.amx_supported()[0]:
             return None
-        amx_linear.load_kernel()
+        build.extension()
         return amx_linear
     except Exception as e:  # no compiler, build failure: oneDNN packing still applies
         logger.info("AMX linear layers unavailable (%s); using oneDNN packing", e)
