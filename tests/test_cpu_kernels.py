@@ -151,6 +151,39 @@ def test_fused_rms_norm(dtype):
         assert _ulps_apart(got, ref).max() <= 1 and (got == ref).float().mean() > 0.98
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_add_rms_norm_updates_both_in_place(dtype):
+    from pagedllm_kernels.cpu import fused_ops
+
+    x, res = _bf16(37, 200, scale=3.0).to(dtype), _bf16(37, 200, seed=2, scale=3.0).to(dtype)
+    w = _bf16(200, seed=1).to(dtype)
+    ref_out, ref_sum = fused_ops.reference_add_rms_norm(x, res, w, 1e-6)
+    x_ptr, res_ptr = x.data_ptr(), res.data_ptr()
+    got_out, got_sum = fused_ops.add_rms_norm_(x, res, w, 1e-6)
+    assert got_out.data_ptr() == x_ptr and got_sum.data_ptr() == res_ptr
+    assert torch.equal(got_sum, ref_sum)  # the sum is rounded once, as the torch add rounds it
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_out, ref_out, atol=1e-5, rtol=1e-5)
+    else:
+        assert _ulps_apart(got_out, ref_out).max() <= 1 and (got_out == ref_out).float().mean() > 0.98
+
+
+def test_rms_norm_module_with_a_residual_matches_the_torch_path(monkeypatch):
+    """The decoder's norm(x, residual): fused in place for bf16, the torch add + norm otherwise."""
+    from pagedllm.models.layers import cpu_fused
+    from pagedllm.models.layers.norm import RMSNorm
+
+    norm = RMSNorm(200, 1e-6).to(torch.bfloat16)
+    norm.weight.data = _bf16(200, seed=1)
+    x, res = _bf16(5, 200, scale=3.0), _bf16(5, 200, seed=2, scale=3.0)
+    fused_out, fused_sum = norm(x.clone(), res.clone())
+    monkeypatch.setattr(cpu_fused, "ops_for", lambda t: None)
+    monkeypatch.setattr("pagedllm.models.layers.norm.ops_for", lambda t: None)
+    torch_out, torch_sum = norm(x.clone(), res.clone())
+    assert torch.equal(fused_sum, torch_sum) and torch.equal(torch_sum, x + res)
+    assert _ulps_apart(fused_out, torch_out).max() <= 1
+
+
 def test_fused_silu_and_mul():
     from pagedllm_kernels.cpu import fused_ops
 
@@ -181,6 +214,10 @@ def test_fused_launchers_check_their_inputs():
 
     with pytest.raises(ValueError, match="disagree"):
         fused_ops.rms_norm(_bf16(2, 64), _bf16(32), 1e-6)
+    with pytest.raises(ValueError, match="disagree"):
+        fused_ops.add_rms_norm_(_bf16(2, 64), _bf16(3, 64), _bf16(64), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_ops.add_rms_norm_(_bf16(64, 2).t(), _bf16(2, 64), _bf16(64), 1e-6)
     with pytest.raises(ValueError, match="gate and up"):
         fused_ops.silu_and_mul(_bf16(2, 63))
     with pytest.raises(ValueError, match="multiple of 32"):

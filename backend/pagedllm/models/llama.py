@@ -73,9 +73,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope, x, kv_cache, meta):
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, kv_cache, meta):
+        """x: the previous layer's output (or the embeddings, with residual None), not yet added to the
+        residual stream. Returns this layer's output and the residual stream, the same way."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -90,9 +96,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, cache, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

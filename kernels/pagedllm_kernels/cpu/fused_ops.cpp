@@ -20,27 +20,38 @@ namespace {
 template <typename T>
 float as_float(T v) { return static_cast<float>(v); }
 
-// y = weight * round(x * rsqrt(mean(x^2) + eps)), statistics in fp32.
+// y = weight * round(s * rsqrt(mean(s^2) + eps)), statistics in fp32, where s = x; or, given a residual,
+// s = round(x + residual), stored back into the residual first (the decoder's residual add and the next norm
+// in one pass, rounded as the two torch ops round). y may be x: a row's x is read before its y is written.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t h, float eps) {
+void rms_norm_rows(const T* x, T* residual, const T* w, T* y, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * h;
+      T* rr = residual ? residual + r * h : nullptr;
+      const T* sr = rr ? rr : xr;  // s
       T* yr = y + r * h;
       __m512 ss = _mm512_setzero_ps();
       int64_t i = 0;
       for (; i + 16 <= h; i += 16) {
-        const __m512 v = load16(xr + i);
+        __m512 v = load16(xr + i);
+        if (rr) {
+          v = round_to(xr, _mm512_add_ps(v, load16(rr + i)));
+          store16(rr + i, v);
+        }
         ss = _mm512_fmadd_ps(v, v, ss);
       }
       float sum = _mm512_reduce_add_ps(ss);
-      for (int64_t j = i; j < h; ++j) sum += as_float(xr[j]) * as_float(xr[j]);
+      for (int64_t j = i; j < h; ++j) {
+        if (rr) rr[j] = T(as_float(xr[j]) + as_float(rr[j]));
+        sum += as_float(sr[j]) * as_float(sr[j]);
+      }
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
       for (i = 0; i + 16 <= h; i += 16) {
-        const __m512 n = round_to(xr, _mm512_mul_ps(load16(xr + i), _mm512_set1_ps(inv)));
+        const __m512 n = round_to(xr, _mm512_mul_ps(load16(sr + i), _mm512_set1_ps(inv)));
         store16(yr + i, _mm512_mul_ps(load16(w + i), n));
       }
-      for (int64_t j = i; j < h; ++j) yr[j] = T(as_float(w[j]) * as_float(T(as_float(xr[j]) * inv)));
+      for (int64_t j = i; j < h; ++j) yr[j] = T(as_float(w[j]) * as_float(T(as_float(sr[j]) * inv)));
     }
   });
 }
@@ -130,19 +141,41 @@ void check_2d(const torch::Tensor& x, const char* name) {
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+namespace {
+
+// y (a new tensor, or x itself) from x and, when given, the residual updated in place (rms_norm_rows).
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
+                   torch::Tensor& y, double eps) {
   check_2d(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
               "weight must be [hidden] in x's dtype");
-  auto y = torch::empty_like(x);
+  if (residual) {
+    check_2d(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+  }
   if (x.scalar_type() == at::kFloat)
-    rms_norm_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
-                         static_cast<float>(eps));
+    rms_norm_rows<float>(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                         weight.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps));
   else
-    rms_norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                                y.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+    rms_norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(),
+                                residual ? residual->data_ptr<at::BFloat16>() : nullptr,
+                                weight.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                                static_cast<float>(eps));
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto y = torch::empty_like(x);
+  rms_norm_into(x, nullptr, weight, y, eps);
   return y;
+}
+
+// residual <- x + residual; x <- rms_norm(residual) * weight. Both in place.
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  rms_norm_into(x, &residual, weight, x, eps);
 }
 
 torch::Tensor silu_and_mul(torch::Tensor x) {

@@ -1,6 +1,5 @@
-"""Fused CPU ops for the decoder (the C++ in fused_ops.cpp): RMSNorm, SiLU-and-mul, rotary in place, and
-the greedy sampler's argmax. Each has
-a launcher that checks its inputs and a torch reference beside it (the expressions the model uses otherwise).
+"""Fused CPU ops for the decoder (the C++ in fused_ops.cpp): RMSNorm (alone, or after the residual add),
+SiLU-and-mul, rotary in place, and the greedy sampler's argmax. Each has a launcher that checks its inputs and a torch reference beside it (the expressions the model uses otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +18,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def reference_rms_norm(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual, then x <- RMSNorm(residual), both in place and in one pass; returns
+    (x, residual). Both must be contiguous, of one shape and dtype."""
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.dtype != weight.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and "
+                         f"weight {weight.dtype} disagree")
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("x and residual must be contiguous (they are updated in place)")
+    extension().add_rms_norm_(x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]), weight.contiguous(), eps)
+    return x, residual
+
+
+def reference_add_rms_norm(x, residual, weight, eps):
+    s = x + residual
+    return reference_rms_norm(s, weight, eps), s
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""RMSNorm, computed in fp32 like the HF reference (the product is cast back before the weight multiply)."""
+"""RMSNorm, computed in fp32 like the HF reference (the product is cast back before the weight multiply).
+
+Given a residual, the norm first adds it: `norm(x, residual)` returns (RMSNorm(x + residual), x + residual),
+the decoder's residual add and the next layer's norm in one call (one pass in place on the fused CPU path).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         fused = ops_for(x)
+        if residual is not None:
+            if fused is not None and x.is_contiguous() and residual.is_contiguous():
+                return fused.add_rms_norm_(x, residual, self.weight, self.eps)  # x, residual: overwritten
+            residual = x + residual
+            return self._norm(residual), residual
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
