@@ -38,7 +38,8 @@ def make(num_heads, num_kv_heads, head_dim, block_size, dtype, lens=LENS, seed=0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (4, 2, 64), (12, 4, 64), (8, 1, 128), (6, 2, 96)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (4, 2, 64), (12, 4, 64), (8, 1, 128), (6, 2, 96),
+                                                     (16, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
     q, kc, vc, tables, lens = make(heads, kv_heads, head_dim, block_size, dtype)

@@ -122,7 +122,8 @@ void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
     alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
     alignas(64) float scores[kMaxGroup][kMaxBlock];
     alignas(64) T probs[kMaxGroup][kMaxBlock];  // exp(score - running max), in the cache's dtype
-    float running_max[kMaxHeads], denom[kMaxHeads];
+    float running_max[kMaxHeads];
+    alignas(64) float denom[kMaxHeads][16];  // partial sums of the softmax denominator
     const T* qh[kMaxHeads];
     float* acc_h[kMaxHeads];
     T* probs_h[kMaxGroup];
@@ -131,7 +132,7 @@ void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
       acc_h[h] = acc[h];
       for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
       running_max[h] = -std::numeric_limits<float>::infinity();
-      denom[h] = 0.0f;
+      _mm512_store_ps(denom[h], _mm512_setzero_ps());
     }
     for (int64_t g = 0; g < group; ++g) probs_h[g] = probs[g];
     const int64_t len = seq_lens[row];
@@ -168,25 +169,33 @@ void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
         }
         for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
           const int64_t h = hq + g;
-          float block_max = -std::numeric_limits<float>::infinity();
+          // Horizontal reductions are the costly part: the block's max is reduced only when some live score
+          // exceeds the running max, and the denominator is kept as 16 partial sums until the end.
+          const __m512 m_old = _mm512_set1_ps(running_max[h]);
+          __mmask16 above = 0;
           for (int64_t c = c0; c < b; c += 16)
-            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live_lanes(c, a, b),
-                                                                       _mm512_load_ps(scores[g] + c)));
-          if (block_max > running_max[h]) {
-            const float rescale = std::exp(running_max[h] - block_max);
-            denom[h] *= rescale;
+            above |= _mm512_mask_cmp_ps_mask(live_lanes(c, a, b), _mm512_load_ps(scores[g] + c), m_old, _CMP_GT_OQ);
+          if (above) {
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t c = c0; c < b; c += 16)
+              block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live_lanes(c, a, b),
+                                                                         _mm512_load_ps(scores[g] + c)));
+            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[h] - block_max));
+            _mm512_store_ps(denom[h], _mm512_mul_ps(_mm512_load_ps(denom[h]), rescale));
             for (int c = 0; c < CH; ++c)
-              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), _mm512_set1_ps(rescale)));
+              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), rescale));
             running_max[h] = block_max;
           }
           const __m512 m = _mm512_set1_ps(running_max[h]);
+          __m512 sum = _mm512_load_ps(denom[h]);
           for (int64_t c = c0; c < b; c += 16) {
             // Rounded to the cache's dtype first, so the denominator sums exactly the weights the values get.
             const __m512 p = pagedllm::round_to(probs[g], _mm512_maskz_mov_ps(
                 live_lanes(c, a, b), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[g] + c), m))));
-            denom[h] += _mm512_reduce_add_ps(p);
+            sum = _mm512_add_ps(sum, p);
             pagedllm::store16(probs[g] + c, p);
           }
+          _mm512_store_ps(denom[h], sum);
         }
         for (int64_t h0 = 0; h0 < group; h0 += VB)
           weighted_values_for<T, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
@@ -195,7 +204,8 @@ void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
     }
     for (int64_t h = 0; h < served; ++h) {
       T* o = out + (row * num_heads + k0 * group + h) * D;
-      const __m512 inv = _mm512_set1_ps(denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f);
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[h]));
+      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
       for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
     }
   };
