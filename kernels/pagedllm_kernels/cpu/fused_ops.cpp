@@ -139,10 +139,6 @@ void check_2d(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
 }
 
-}  // namespace
-
-namespace {
-
 // y (a new tensor, or x itself) from x and, when given, the residual updated in place (rms_norm_rows).
 void rms_norm_into(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
                    torch::Tensor& y, double eps) {

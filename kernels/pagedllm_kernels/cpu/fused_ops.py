@@ -1,5 +1,6 @@
 """Fused CPU ops for the decoder (the C++ in fused_ops.cpp): RMSNorm (alone, or after the residual add),
-SiLU-and-mul, rotary in place, and the greedy sampler's argmax. Each has a launcher that checks its inputs and a torch reference beside it (the expressions the model uses otherwise).
+SiLU-and-mul, rotary in place, and the greedy sampler's argmax. Each has a launcher that checks its inputs
+and a torch reference beside it (the expressions the model uses otherwise).
 """
 
 from __future__ import annotations
