@@ -169,17 +169,13 @@ void decode_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
         }
         for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
           const int64_t h = hq + g;
-          // Horizontal reductions are the costly part: the block's max is reduced only when some live score
-          // exceeds the running max, and the denominator is kept as 16 partial sums until the end.
-          const __m512 m_old = _mm512_set1_ps(running_max[h]);
-          __mmask16 above = 0;
+          // Horizontal reductions are the costly part: the block's lane-wise max is reduced only when some
+          // lane exceeds the running max, and the denominator is kept as 16 partial sums until the end.
+          __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int64_t c = c0; c < b; c += 16)
-            above |= _mm512_mask_cmp_ps_mask(live_lanes(c, a, b), _mm512_load_ps(scores[g] + c), m_old, _CMP_GT_OQ);
-          if (above) {
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t c = c0; c < b; c += 16)
-              block_max = std::max(block_max, _mm512_mask_reduce_max_ps(live_lanes(c, a, b),
-                                                                         _mm512_load_ps(scores[g] + c)));
+            lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, a, b), lane_max, _mm512_load_ps(scores[g] + c));
+          if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[h]), _CMP_GT_OQ)) {
+            const float block_max = _mm512_reduce_max_ps(lane_max);
             const __m512 rescale = _mm512_set1_ps(std::exp(running_max[h] - block_max));
             _mm512_store_ps(denom[h], _mm512_mul_ps(_mm512_load_ps(denom[h]), rescale));
             for (int c = 0; c < CH; ++c)
