@@ -39,7 +39,7 @@ def hbm_peak() -> float:
 
 
 def attention_bench(peak: float) -> None:
-    from pagedllm_kernels import paged_attention
+    from pagedllm_kernels.paged_attention import paged_attention
 
     for batch, ctx in ((64, 4096), (16, 16384), (128, 1024)):
         heads, kv_heads, d, bs = 32, 8, 128, 16

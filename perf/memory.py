@@ -11,6 +11,7 @@ import argparse
 
 from common import emit, model_dir, random_workload
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.kv_sizing import KVGeometry
 
 
 def main() -> None:
@@ -26,9 +27,9 @@ def main() -> None:
               max_num_seqs=1024, max_num_batched_tokens=4096)
     engine = llm.engine
     block = engine.config.cache.block_size
-    per_token = engine.kv_geometry.bytes_per_block(block, engine.dtype) // block
+    per_token = KVGeometry.of(engine.executor.model).bytes_per_block(block, engine.model_info.dtype) // block
     n = 64 if args.quick else 256
-    prompts = random_workload(n, 32, 256, engine.vocab_size, seed=5)
+    prompts = random_workload(n, 32, 256, engine.model_info.vocab_size, seed=5)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, params)

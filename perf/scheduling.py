@@ -16,6 +16,7 @@ import time
 
 from common import emit, model_dir, random_workload
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
 
 
 def shared_prefix(path, n, prefix_len, question_len, out_len, caching: bool) -> dict:
@@ -44,7 +45,7 @@ def mixed(path, n_short, n_long, long_len, out_len, chunked: bool) -> dict:
     engine = llm.engine
     short = random_workload(n_short, 20, 60, 32000, seed=3)
     longs = random_workload(n_long, long_len, long_len, 32000, seed=4)
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     short_ids = {engine.add_request({"prompt_token_ids": p}, params) for p in short}
     last, gaps, step = {}, [], 0
     arrivals = {8 + 12 * i: p for i, p in enumerate(longs)}  # long prompts arrive while shorts decode
@@ -55,7 +56,7 @@ def mixed(path, n_short, n_long, long_len, out_len, chunked: bool) -> dict:
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
-            if o.request_id in short_ids and o.delta_token_ids:
+            if o.request_id in short_ids and o.outputs[0].token_ids:
                 if o.request_id in last:
                     gaps.append(now - last[o.request_id])
                 last[o.request_id] = now

@@ -16,7 +16,7 @@ import time
 
 from common import emit, model_dir, random_workload
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed import comm
+from pagedllm.distributed.comm import CommStats
 
 
 class StepRecorder:
@@ -25,11 +25,13 @@ class StepRecorder:
     def __init__(self, executor) -> None:
         self.steps: list[dict] = []
         inner = executor.execute_step
+        group = getattr(executor, "group", None)  # TP=1 runs in process: no collectives at all
+        stats = group.stats if group is not None else CommStats()
 
         def execute_step(step):
-            before = dict(vars(comm.GROUP.stats))
+            before = dict(vars(stats))
             logits = inner(step)
-            after = vars(comm.GROUP.stats)
+            after = vars(stats)
             self.steps.append({"tokens": len(step.input_ids), "rows": len(step.logits_indices),
                                "decode_only": step.num_decodes == len(step.seq_lens),
                                **{k: after[k] - before[k] for k in after}})
@@ -47,7 +49,7 @@ def run(path, tp, device, prompts, params):
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    cfg = llm.engine.hf_config
+    cfg = llm.engine.model_info.hf_config
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], elapsed, recorder.steps, cfg
 

@@ -73,3 +73,15 @@ def wait_for(pred, timeout=60):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its folder's name as a marker (tests/kernels/... -> `kernels`), so `pytest -m kernels`
+    runs one part; `gpu` tests are skipped where there is no CUDA device."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        folder = item.path.parent.name
+        if folder != "tests":
+            item.add_marker(getattr(pytest.mark, folder))
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)

@@ -31,7 +31,7 @@ def _generate(args) -> None:
 
 def _batch(args) -> None:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.batch_runner import run_batch
+    from pagedllm.batch.runner import run_batch
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
               max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
@@ -111,11 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from pagedllm.distributed.executor import launched_by_torchrun
+    from pagedllm.engine.executor.multiproc import launched_by_torchrun
 
     if launched_by_torchrun() and int(os.environ["RANK"]) > 0:
         # `torchrun ... -m pagedllm.cli generate|batch ...`: rank 0 runs the engine, the others serve it.
-        from pagedllm.distributed.worker_main import run_torchrun_worker
+        from pagedllm.engine.executor.worker_main import run_torchrun_worker
 
         run_torchrun_worker(getattr(args, "device", "auto"))
         return

@@ -1,12 +1,14 @@
 """Engine configuration: frozen dataclasses validated at construction.
 
 `EngineConfig.from_kwargs` is the single place where user-facing keyword arguments (offline `LLM(...)`,
-Triton's engine.json, the CLI) become a validated configuration.
+Triton's engine.json, the CLI) become a validated configuration. Every switch of the engine is a field here;
+an environment variable may set a field's default (PAGEDLLM_FUSED_CPU_OPS, PAGEDLLM_AMX_LINEAR), nothing more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
@@ -15,6 +17,15 @@ GiB = 1 << 30
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _env_default(name: str) -> bool:
+    """A boolean switch's default: on unless the environment variable says 0."""
+    return os.environ.get(name, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `method` "ngram" (prompt lookup) or "draft_model" (a smaller model sharing the
+    tokenizer, at `model`)."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # ngram: shortest and longest n-gram matched
+    prompt_lookup_max: int = 3
+    model: str | None = None  # draft_model: its directory
+    kv_cache_memory_bytes: int | None = None  # draft_model: its KV budget (default: a quarter of the target's)
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        _require(self.method in ("ngram", "draft_model"), name,
+                 f"method must be 'ngram' or 'draft_model', got {self.method!r}")
+        _require(_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1, name,
+                 f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        _require(_int(self.prompt_lookup_min) and _int(self.prompt_lookup_max)
+                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, name,
+                 "need integers 1 <= prompt_lookup_min <= prompt_lookup_max")
+        _require(self.method != "draft_model" or bool(self.model), name,
+                 "the draft_model method needs 'model' (the draft's directory)")
+        _require(self.kv_cache_memory_bytes is None or (_int(self.kv_cache_memory_bytes)
+                                                        and self.kv_cache_memory_bytes > 0),
+                 name, "kv_cache_memory_bytes must be a positive integer")
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> SpeculativeConfig:
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config: expected an object, got {spec!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        _require(not unknown, "speculative_config", f"unknown key(s) {unknown}; known: {sorted(known)}")
+        _require("method" in spec, "speculative_config", "'method' is required")
+        return cls(**spec)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to `model`
@@ -55,15 +104,17 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
-    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3} or
-    # {"method": "draft_model", "model": DIR, "num_speculative_tokens": k, "kv_cache_memory_bytes": n}
-    speculative_config: dict | None = None
+    # A SpeculativeConfig, or the same as a dict (engine.json, LLM(...)): converted and validated on creation.
+    speculative_config: SpeculativeConfig | None = None
     # Ranks the model is split over (1: no parallelism). cache.kv_cache_memory_bytes is per rank (as vLLM's
     # memory settings are per GPU): each rank holds its share of the KV heads of every block.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # only 1: see docs/ARCHITECTURE.md, "Pipeline parallelism"
     log_stats: bool = False  # the periodic one-line engine log
     log_stats_interval_s: float = 5.0
+    # CPU kernel switches (bf16 on CPU only; for A/B measurements), reported in EngineStats.kernels.
+    fused_cpu_ops: bool = field(default_factory=lambda: _env_default("PAGEDLLM_FUSED_CPU_OPS"))
+    amx_linear: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_LINEAR"))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -76,12 +127,10 @@ class EngineConfig:
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
                  f"only 1 is supported (got {self.pipeline_parallel_size!r}); split the model with "
                  "tensor_parallel_size instead")
-        spec = self.speculative_config
-        if spec is not None:
-            _require(isinstance(spec, dict) and spec.get("method") in ("ngram", "draft_model"),
-                     "speculative_config", f"method must be 'ngram' or 'draft_model', got {spec!r}")
-            _require(spec.get("method") != "draft_model" or bool(spec.get("model")), "speculative_config",
-                     "the draft_model method needs 'model' (the draft's directory)")
+        for name in ("fused_cpu_ops", "amx_linear"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.engine import LLMEngine, PromptType
+from pagedllm.engine.engine import LLMEngine
+from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,7 +46,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs come back in input order.
 
-        Every prompt is validated before any is queued, so a bad one raises ValueError without side effects.
+        Every prompt is tokenized and validated before any is queued, so a bad one raises ValueError without
+        side effects. Each request yields only its final output (as vLLM's LLM does).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,19 +56,20 @@ class LLM:
                              "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         timeouts = _per_prompt(timeout, n, "timeout")
-        for p in prompts:
-            self.engine.validate_prompt(self.engine.tokenize(p)[1])
-        ids = [self.engine.add_request(p, sp, priority=pr, timeout=t)
-               for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
+        process = self.engine.input_processor.process
+        processed = [process(p, _final_only(sp), pr, t) for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, desc="Processed prompts", disable=not use_tqdm)
         try:
+            for p in processed:  # e.g. a full queue (max_queue_size) raises here: the added ones are aborted
+                ids.append(self.engine.add_request(p))
             while len(results) < n:
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        except BaseException:  # e.g. a failed tensor-parallel worker: release what this call holds
+        except BaseException:  # a failed tensor-parallel worker, an interrupt: release what this call holds
             for rid in ids:
                 if rid not in results:
                     self.engine.abort_request(rid)
@@ -73,6 +77,13 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _final_only(params):
+    """The caller's parameters asking for the final output only (the caller's object is left as it is)."""
+    if not isinstance(params, SamplingParams):
+        return params  # the input processor names the problem
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

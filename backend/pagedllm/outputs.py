@@ -1,8 +1,14 @@
-"""Public result types, shaped like vLLM's RequestOutput / CompletionOutput."""
+"""Public result types, shaped like vLLM's RequestOutput / CompletionOutput.
+
+An output is a snapshot: its lists are its own, and nothing appends to them after it is made, so another thread
+may read it while the engine goes on. What it holds depends on the request's `SamplingParams.output_kind`:
+everything so far (CUMULATIVE), what is new since the previous output (DELTA), or the whole result once
+(FINAL_ONLY).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -21,9 +27,6 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -44,8 +47,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # Text and token ids produced since the previous output of this request (for streaming).
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request yields (as vLLM's): each one everything so far, each one what is new since the
+    previous (streaming), or one output when the request finishes (offline `LLM.generate`)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -30,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +75,7 @@ class SamplingParams:
             ("repetition_penalty", _num(self.repetition_penalty) and self.repetition_penalty > 0,
              "must be > 0"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
         for name, ok, msg in checks:
             if not ok:

@@ -23,7 +23,7 @@ class CpuAttention:
 
     def __init__(self) -> None:
         from pagedllm_kernels.cpu import kv_layout
-        from pagedllm_kernels.cpu import paged_decode_attention as kernel
+        from pagedllm_kernels.cpu import paged_attention as kernel
 
         ok, why = kernel.cpu_supported()
         if not ok:
@@ -45,7 +45,7 @@ class CpuAttention:
         plan = meta.backend_cache.get(key)
         if plan is None:  # the first layer of the step
             plan = meta.backend_cache[key] = _StepPlan.of(meta, q.shape[0], sliding_window, q.device)
-        attend = self._kernel.paged_decode_attention
+        attend = self._kernel.paged_attention
         if not plan.fresh_rows:
             return attend(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale, sliding_window)
         out = torch.empty_like(q)

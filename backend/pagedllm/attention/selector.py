@@ -1,9 +1,10 @@
 """Attention backend selection.
 
-`auto` builds every available backend, runs each on a mixed decode/prefill batch with the model's real shapes
-(heads, KV heads, head dim, block size, dtype, device), checks its output against the torch reference, and
-keeps the fastest correct one. An explicit name skips the race but is still checked; a backend that cannot be
-built, fails, or is wrong is reported and replaced by the torch reference: never a crash.
+`auto` builds every backend made for the engine's device, runs each on a mixed decode/prefill batch with the
+model's real shapes (heads, KV heads, head dim, block size, dtype, device), checks its output against the torch
+reference, and keeps the fastest correct one. An explicit name skips the race but is still checked; a backend
+that cannot be built, fails, or is wrong is reported and replaced by the torch reference: never a crash.
+Each engine races anew (a few milliseconds on CPU): nothing is kept between engines.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def _cpu():
 
 
 BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "triton": _triton}
+# What `auto` races on each kind of device. On a CPU the Triton kernels run only under Triton's interpreter (a
+# test vehicle, orders of magnitude slower), so they are not candidates there; asked for by name they still run.
+AUTO_CANDIDATES = {"cpu": ("torch", "cpu"), "cuda": ("torch", "triton")}
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -54,20 +58,12 @@ class Selection:
     results: dict[str, dict] = field(default_factory=dict)  # name -> {"ok", "ms" or "error"}
 
 
-# Selections made in this process, by (requested name, shape): a backend's speed on given shapes does not
-# change while the process lives, and engines built again (reloads, tests) need not race again.
-_SELECTIONS: dict[tuple, Selection] = {}
-
-
 def select_backend(name: str, shape: ProbeShape):
     """Returns (backend, Selection)."""
     if name != "auto" and name not in BUILDERS:
         raise ValueError(f"attention_backend: unknown backend {name!r}; available: auto, {', '.join(BUILDERS)}")
-    key = (name, shape, tuple(BUILDERS.items()))
-    if key in _SELECTIONS:
-        selection = _SELECTIONS[key]
-        return BUILDERS[selection.chosen](), selection
-    candidates = list(BUILDERS) if name == "auto" else [name]
+    device_kind = "cuda" if shape.device.startswith("cuda") else "cpu"
+    candidates = list(AUTO_CANDIDATES[device_kind]) if name == "auto" else [name]
     probe = _make_probe(shape)
     torch_ref = TorchAttention()
     reference = _run(torch_ref, probe, shape, _filled_cache(torch_ref, probe, shape))
@@ -85,8 +81,9 @@ def select_backend(name: str, shape: ProbeShape):
             if not err <= _TOLERANCE[shape.dtype]:
                 raise RuntimeError(f"output differs from the torch reference by {err:.3g}")
             best = min((r["ms"] for r in results.values() if r["ok"]), default=None)
-            # Far behind already on its first run (e.g. an interpreter): no need to time it again.
-            ms = first_ms if best is not None and first_ms > 10 * best else _time(backend, probe, shape, cache)
+            # Alone in the race, or far behind already on its first run: no need to time it again.
+            alone_or_behind = len(candidates) == 1 or (best is not None and first_ms > 10 * best)
+            ms = first_ms if alone_or_behind else _time(backend, probe, shape, cache)
             results[cand] = {"ok": True, "ms": round(ms, 3)}
             built[cand] = backend
         except Exception as e:  # unavailable (no GPU, no triton) or wrong: report, do not crash
@@ -100,7 +97,6 @@ def select_backend(name: str, shape: ProbeShape):
         chosen, reason, backend = "torch", f"fallback: {name} unusable ({results[name]['error']})", TorchAttention()
         logger.warning("attention backend %s is unusable; falling back to torch", name)
     selection = Selection(chosen, reason, results)
-    _SELECTIONS[key] = selection
     logger.info("attention backend: %s (%s); probe results %s", chosen, reason, results)
     return backend, selection
 

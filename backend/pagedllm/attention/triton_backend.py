@@ -10,7 +10,8 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self) -> None:
-        from pagedllm_kernels import kv_store, paged_attention  # ImportError: triton missing
+        from pagedllm_kernels.kv_store import kv_store  # ImportError: triton missing
+        from pagedllm_kernels.paged_attention import paged_attention
 
         self._kv_store = kv_store
         self._paged_attention = paged_attention

@@ -1,2 +1,2 @@
-"""Tensor parallelism over torch.distributed: the communication group, the sharded layers, the transform that
-shards a model, and the multi-process executor that runs one rank per worker process."""
+"""Tensor parallelism over torch.distributed: the communication group, the sharded layers, and the transform
+that shards a built model. The processes that run the ranks belong to the engine (engine/executor/)."""

@@ -1,14 +1,17 @@
-"""This process's place in the tensor-parallel group, and the collectives the sharded layers call.
+"""A tensor-parallel group: this process's rank in it, and the collectives the sharded layers call.
 
-One group per process (torch.distributed's default group): gloo on CPU, NCCL on GPU, plus a gloo group for
-the control messages (step inputs are Python objects) when the default one is NCCL. Every collective counts
-the bytes it moves, so perf/tensor_parallel.py can compare the traffic with theory.
+`init_group` joins torch.distributed's default group (gloo on CPU, NCCL on GPU) plus, when that is NCCL, a gloo
+group for the control messages (step inputs are Python objects), and returns a `TensorParallelGroup` that the
+executor owns and hands to the sharded layers: nothing here is module-level state. torch.distributed keeps one
+default group per process, so a process hosts at most one tensor-parallel engine at a time (checked).
+Every collective counts the bytes it moves, so perf/tensor_parallel.py can compare the traffic with theory.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,14 +30,39 @@ class CommStats:
     broadcast_calls: int = 0
 
 
-class _Group:
-    rank = 0
-    world_size = 1
-    control = None  # the group for object broadcasts (None: the default group)
-    stats = CommStats()
+@dataclass
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+    control: object = None  # the group for object broadcasts (None: the default group)
+    stats: CommStats = field(default_factory=CommStats)
 
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        self.stats.all_reduce_calls += 1
+        self.stats.all_reduce_bytes += t.numel() * t.element_size()
+        dist.all_reduce(t)
+        return t
 
-GROUP = _Group()
+    def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor along the last dimension, in rank order."""
+        t = t.contiguous()
+        self.stats.all_gather_calls += 1
+        self.stats.all_gather_bytes += t.numel() * t.element_size()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0 sends `obj`; every rank returns it."""
+        self.stats.broadcast_calls += 1
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def backend_for(device: str) -> str:
@@ -42,45 +70,17 @@ def backend_for(device: str) -> str:
     return "nccl" if cuda else "gloo"
 
 
-def init_group(rank: int, world_size: int, store: dist.Store | None, backend: str) -> None:
-    """Join the group through `store`, or through torchrun's environment (MASTER_ADDR/PORT) when None."""
+def init_group(rank: int, world_size: int, store: dist.Store | None, backend: str,
+               loopback: bool = True) -> TensorParallelGroup:
+    """Join the group through `store`, or through torchrun's environment (MASTER_ADDR/PORT) when None.
+    `loopback`: every rank runs on this host, so gloo's peer sockets listen on 127.0.0.1 only."""
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group already exists in this process: shut its engine down first "
                            "(one tensor-parallel engine per process)")
+    if loopback:
+        # Read by gloo when the group is built: its listening sockets bind the loopback interface's address.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     where = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT, **where)
-    GROUP.rank, GROUP.world_size = rank, world_size
-    GROUP.control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend != "gloo" else None
-    GROUP.stats = CommStats()
-
-
-def destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    GROUP.rank, GROUP.world_size, GROUP.control = 0, 1, None
-
-
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place."""
-    GROUP.stats.all_reduce_calls += 1
-    GROUP.stats.all_reduce_bytes += t.numel() * t.element_size()
-    dist.all_reduce(t)
-    return t
-
-
-def all_gather_last_dim(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's tensor along the last dimension, in rank order."""
-    t = t.contiguous()
-    GROUP.stats.all_gather_calls += 1
-    GROUP.stats.all_gather_bytes += t.numel() * t.element_size()
-    parts = [torch.empty_like(t) for _ in range(GROUP.world_size)]
-    dist.all_gather(parts, t)
-    return torch.cat(parts, dim=-1)
-
-
-def broadcast_object(obj=None):
-    """Rank 0 sends `obj`; every rank returns it."""
-    GROUP.stats.broadcast_calls += 1
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=GROUP.control)
-    return box[0]
+    control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend != "gloo" else None
+    return TensorParallelGroup(rank, world_size, control)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed import comm
+from pagedllm.distributed.comm import TensorParallelGroup
 
 
 def _empty(*shape) -> nn.Parameter:
@@ -43,8 +43,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Columns [start, start + size) of the full weight; the partial products are summed across ranks."""
 
-    def __init__(self, in_start: int, in_size: int, out_features: int) -> None:
+    def __init__(self, in_start: int, in_size: int, out_features: int, group: TensorParallelGroup) -> None:
         super().__init__()
+        self.group = group
         self.in_start = in_start
         self.weight = _empty(out_features, in_size)
 
@@ -52,7 +53,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(ckpt[:, self.in_start:self.in_start + param.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(F.linear(x, self.weight))
 
 
 class VocabRange:
@@ -71,8 +72,9 @@ class VocabRange:
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab: VocabRange, hidden_size: int) -> None:
+    def __init__(self, vocab: VocabRange, hidden_size: int, group: TensorParallelGroup) -> None:
         super().__init__()
+        self.group = group
         self.vocab = vocab
         self.weight = _empty(vocab.per_rank, hidden_size)
 
@@ -83,14 +85,16 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab.start
         outside = (local < 0) | (local >= self.vocab.valid)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return comm.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+        return self.group.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(nn.Module):
     """Scores this rank's vocabulary range; all ranks get the full logits (rank 0 samples from them)."""
 
-    def __init__(self, vocab: VocabRange, hidden_size: int, tied_weight: nn.Parameter | None) -> None:
+    def __init__(self, vocab: VocabRange, hidden_size: int, tied_weight: nn.Parameter | None,
+                 group: TensorParallelGroup) -> None:
         super().__init__()
+        self.group = group
         self.vocab = vocab
         self.weight = tied_weight if tied_weight is not None else _empty(vocab.per_rank, hidden_size)
 
@@ -98,5 +102,5 @@ class ParallelLMHead(nn.Module):
         self.vocab.load(param, ckpt)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = comm.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.group.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., :self.vocab.vocab_size]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.distributed.comm import TensorParallelGroup
 from pagedllm.distributed.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -50,40 +51,42 @@ def check_shardable(hf_config, world_size: int) -> None:
         raise ValueError(f"tensor_parallel_size: {world_size} does not divide {', '.join(problems)}")
 
 
-def _shard_attention(attn: Attention, hidden: int, rank: int, world: int) -> None:
+def _shard_attention(attn: Attention, hidden: int, group: TensorParallelGroup) -> None:
+    rank, world = group.rank, group.world_size
     hd = attn.head_dim
     q_heads = attn.num_heads // world
     kv_start, kv_heads = kv_heads_for_rank(attn.num_heads, attn.num_kv_heads, rank, world)
     q_rows = (rank * q_heads * hd, q_heads * hd)
     kv_rows = (kv_start * hd, kv_heads * hd)
     attn.qkv_proj = ColumnParallelLinear(hidden, [q_rows, kv_rows, kv_rows], bias=attn.qkv_proj.bias is not None)
-    attn.o_proj = RowParallelLinear(q_rows[0], q_rows[1], hidden)
+    attn.o_proj = RowParallelLinear(q_rows[0], q_rows[1], hidden, group)
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
     attn.q_size, attn.kv_size = q_heads * hd, kv_heads * hd
 
 
-def _shard_mlp(mlp: MLP, hidden: int, rank: int, world: int) -> None:
-    inter = mlp.inter // world
-    rows = (rank * inter, inter)
+def _shard_mlp(mlp: MLP, hidden: int, group: TensorParallelGroup) -> None:
+    inter = mlp.inter // group.world_size
+    rows = (group.rank * inter, inter)
     mlp.gate_up_proj = ColumnParallelLinear(hidden, [rows, rows], bias=False)
-    mlp.down_proj = RowParallelLinear(rows[0], inter, hidden)
+    mlp.down_proj = RowParallelLinear(rows[0], inter, hidden, group)
     mlp.inter = inter
 
 
 _SHARDERS = {Attention: _shard_attention, MLP: _shard_mlp}
 
 
-def shard_model(model: nn.Module, rank: int, world_size: int) -> nn.Module:
-    """Rewrite `model` (built, weights not loaded) into rank's shard; returns it."""
+def shard_model(model: nn.Module, group: TensorParallelGroup) -> nn.Module:
+    """Rewrite `model` (built, weights not loaded) into this rank's shard, its layers communicating over `group`;
+    returns it. New parameters are made on torch's current default device (call it under `torch.device(...)`)."""
     config = model.config
-    check_shardable(config, world_size)
+    check_shardable(config, group.world_size)
     hidden = config.hidden_size
     for module in list(model.modules()):
         sharder = _SHARDERS.get(type(module))
         if sharder is not None:
-            sharder(module, hidden, rank, world_size)
-    vocab = VocabRange(config.vocab_size, rank, world_size)
-    embed = VocabParallelEmbedding(vocab, hidden)
+            sharder(module, hidden, group)
+    vocab = VocabRange(config.vocab_size, group.rank, group.world_size)
+    embed = VocabParallelEmbedding(vocab, hidden, group)
     model.model.embed_tokens = embed
-    model.lm_head = ParallelLMHead(vocab, hidden, embed.weight if config.tie_word_embeddings else None)
+    model.lm_head = ParallelLMHead(vocab, hidden, embed.weight if config.tie_word_embeddings else None, group)
     return model

@@ -5,12 +5,18 @@ A request's KV grows block by block as its computed tokens grow: nothing is rese
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from pagedllm.engine.block_pool import BlockPool, KVCacheBlock
+from pagedllm.engine.kv_sizing import cdiv
 from pagedllm.engine.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class Sequence(Protocol):
+    """What allocation needs of a sequence: a Request, or a draft model's copy of one."""
+
+    request_id: str
+    num_computed_tokens: int
 
 
 class KVCacheManager:
@@ -46,7 +52,7 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     # --- allocation ---------------------------------------------------------------------
-    def can_allocate(self, request: Request, num_new_tokens: int,
+    def can_allocate(self, request: Sequence, num_new_tokens: int,
                      new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         return self._num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= \
             self.pool.num_free_blocks
@@ -59,7 +65,7 @@ class KVCacheManager:
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return new + revived
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: Sequence, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones. False (and no change) if the
         pool cannot hold them."""
@@ -88,7 +94,7 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_indexed[request.request_id] = max(done, full)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_indexed.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))  # tail first: evicted before the shared head
@@ -103,6 +109,12 @@ class KVCacheManager:
     @property
     def num_usable_blocks(self) -> int:
         return self.pool.num_usable_blocks
+
+    def stats(self) -> dict:
+        """The EngineStats fields this manager owns."""
+        return {"num_blocks_total": self.num_usable_blocks, "num_blocks_free": self.num_free_blocks,
+                "kv_cache_usage": self.pool.usage(), "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits}
 
     def all_free(self) -> bool:
         return not self.req_blocks and self.pool.num_free_blocks == self.pool.num_usable_blocks

@@ -1,48 +1,60 @@
-"""Per-request output state: detokenized text, stop strings, logprobs, and the deltas already handed out."""
+"""The one place that decides when a request is finished and what its outputs are.
+
+For each token a step appends to a request (several with speculation) it checks the token-level stops (EOS,
+stop token ids, length), records logprobs, detokenizes and looks for stop strings; on a stop it drops the
+tokens after it and reports the finish status (the engine then tells the scheduler, which frees the blocks).
+Outputs are built here too, per the request's output kind, as snapshots no other thread can see change.
+"""
 
 from __future__ import annotations
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import SampledToken
+from pagedllm.engine.stop_checker import check_stop
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 
 class RequestState:
+    """A live request's text, logprobs and what its earlier outputs already handed out."""
+
     def __init__(self, req: Request, tokenizer) -> None:
         self.req = req
         self.tokenizer = tokenizer
         params = req.sampling_params
+        self.kind = params.output_kind
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params.skip_special_tokens)
         self.text = ""
         self.stop = params.stop
-        # While streaming, hold back text that could still turn out to be the start of a stop string.
+        # Text that could still turn out to be the start of a stop string is not handed out yet.
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.sent_text = 0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.sent_text = 0  # characters, tokens and logprob entries handed out in earlier DELTA outputs
         self.sent_tokens = 0
         self.stopped_by_string = False
 
-    def add_token(self, sampled: SampledToken, with_text: bool = True) -> RequestStatus | None:
-        """Record the request's newest token; returns FINISHED_STOPPED if a stop string appeared."""
-        req = self.req
-        if req.logprobs is not None:
-            req.cumulative_logprob += sampled.logprob
-            req.logprobs.append(self._logprob_entry(sampled))
+    def add_token(self, sampled: SampledToken, with_text: bool) -> bool:
+        """Record the request's newest token; True if a stop string appeared (the text is cut before it)."""
+        if self.logprobs is not None:
+            self.cumulative_logprob += sampled.logprob
+            self.logprobs.append(self._logprob_entry(sampled))
         if not with_text:
-            return None
+            return False
         delta = self.detok.add(sampled.token_id)
         if not delta:
-            return None
+            return False
         search_from = max(0, len(self.text) - self.holdback)
         self.text += delta
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            idx, stop = min(hits)
-            self.text = self.text[:idx]
-            req.stop_reason = stop
-            self.stopped_by_string = True
-            return RequestStatus.FINISHED_STOPPED
-        return None
+        if not hits:
+            return False
+        idx, stop = min(hits)
+        self.text = self.text[:idx]
+        self.req.stop_reason = stop
+        self.stopped_by_string = True
+        return True
 
     def _logprob_entry(self, s: SampledToken) -> dict[int, Logprob]:
         entry = {s.token_id: Logprob(s.logprob, s.rank, self.tokenizer.decode([s.token_id]))}
@@ -50,26 +62,65 @@ class RequestState:
             entry.setdefault(tok, Logprob(lp, rank, self.tokenizer.decode([tok])))
         return entry
 
-    def make_output(self) -> RequestOutput:
-        """The request's output so far, with the delta since the previous call."""
+    def output(self) -> RequestOutput | None:
+        """What this request hands out now, per its kind; None when nothing is due (FINAL_ONLY before the end,
+        or a DELTA with no new visible text)."""
         req = self.req
         finished = req.is_finished
         if finished and not self.stopped_by_string:
             self.text += self.detok.flush()
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         visible = len(self.text) if finished else max(self.sent_text, len(self.text) - self.holdback)
-        delta_text = self.text[self.sent_text:visible]
-        delta_tokens = req.output_token_ids[self.sent_tokens:]
-        self.sent_text, self.sent_tokens = visible, req.num_output_tokens
+        if self.kind == RequestOutputKind.DELTA:
+            if visible == self.sent_text and not finished:
+                return None
+            text, tokens = self.text[self.sent_text:visible], req.output_token_ids[self.sent_tokens:]
+            logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens:]
+            self.sent_text, self.sent_tokens = visible, req.num_output_tokens
+        else:
+            text, tokens = self.text[:visible], list(req.output_token_ids)
+            logprobs = None if self.logprobs is None else list(self.logprobs)
         completion = CompletionOutput(
-            index=0,
-            text=self.text[:visible],
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=req.logprobs,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-        )
+            index=0, text=text, token_ids=tokens,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=logprobs, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.last_token_time, req.finished_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             delta_text, delta_tokens, req.num_cached_tokens, metrics)
+                             req.num_cached_tokens, metrics)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, req: Request) -> None:
+        self.states[req.request_id] = RequestState(req, self.tokenizer)
+
+    def process_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestStatus | None:
+        """`tokens` were just appended to `req`. Check each in turn; on a stop, drop the ones after it and return
+        the status the request must finish with. None: it goes on."""
+        state = self.states[req.request_id]
+        before = req.num_output_tokens - len(tokens)
+        for j, token in enumerate(tokens):
+            n = before + j + 1
+            status = check_stop(req, self.max_model_len, n)
+            # An EOS or stop token ends the request without adding its text (as vLLM does).
+            stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+            if state.add_token(token, with_text=not stopped_by_token):
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                req.truncate_output(n)
+                return status
+        return None
+
+    def output(self, req: Request) -> RequestOutput | None:
+        """The output a live request hands out after this step, if any."""
+        return self.states[req.request_id].output()
+
+    def finish(self, req: Request) -> RequestOutput:
+        """The final output of a finished request (stopped, aborted, timed out); its state is dropped."""
+        return self.states.pop(req.request_id).output()

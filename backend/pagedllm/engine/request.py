@@ -62,7 +62,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_ids: set[int],
+        eos_token_ids: frozenset[int],
         block_size: int,
         prompt: str | None = None,
         priority: int = 0,
@@ -94,8 +94,6 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

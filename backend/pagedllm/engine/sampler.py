@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
-from pagedllm.models.layers.cpu_fused import ops_for
+from pagedllm.models.layers.fused import fused_for
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,15 +26,17 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, fused_ops=None) -> None:
+        """`fused_ops`: the fused CPU ops module (layers.fused), whose argmax serves greedy bf16 CPU batches."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.fused_ops = fused_ops
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         simple = all(r.sampling_params.greedy and r.sampling_params.logprobs is None and
                      not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens for r in reqs)
         if simple:  # argmax in the logits' own dtype (fp32 conversion is exact: the same winner, the same ties)
-            fused = ops_for(logits)
+            fused = fused_for(self.fused_ops, logits)
             ids = fused.argmax(logits) if fused is not None else logits.max(dim=-1).indices
             return [SampledToken(t, None, None, None) for t in ids.tolist()]
         logits = logits.float()

@@ -89,6 +89,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> dict:
+        """The EngineStats fields the scheduler owns."""
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions}
+
     # --- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -1,4 +1,5 @@
-"""Engine statistics: a snapshot a caller (tests, the Triton adapter, metrics) can read at any time."""
+"""Engine statistics: a snapshot a caller (tests, the Triton adapter, metrics) can read at any time. Each
+component fills its own fields (Scheduler.stats, KVCacheManager.stats, SpecDecodeStats.fields)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft i
+    kernels: dict[str, bool] = field(default_factory=dict)  # the CPU kernel switches (EngineConfig)
 
     def as_dict(self) -> dict:
         return asdict(self)

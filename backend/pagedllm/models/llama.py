@@ -11,13 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.models.layers.cpu_fused import ops_for
+from pagedllm.models.layers.fused import fused_for
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
+    fused_ops = None  # set by use_fused_ops (rotary in place)
+
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: int | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -41,12 +43,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        fused = fused_for(self.fused_ops, q)
+        q, k = apply_rotary(q, cos, sin, fused), apply_rotary(k, cos, sin, fused)
         o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
+    fused_ops = None  # set by use_fused_ops (SiLU-and-mul)
+
     def __init__(self, config) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -58,7 +63,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        fused = ops_for(gate_up)
+        fused = fused_for(self.fused_ops, gate_up)
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)

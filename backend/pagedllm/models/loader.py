@@ -1,4 +1,9 @@
-"""Builds a registered model from an HF directory and fills it from (possibly sharded) safetensors."""
+"""Builds a registered model from its HF config and fills it from (possibly sharded) safetensors files.
+
+Two separate steps, so that a caller can transform the built model before its weights load (the tensor-parallel
+transform makes each layer read only its rank's slice) and after (packing linears, fused ops): the caller
+composes them (pagedllm.engine.executor.worker); nothing here knows about parallelism.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import os
 import torch
 from safetensors import safe_open
 
-from pagedllm.models.layers.packed_linear import pack_linears
 from pagedllm.models.registry import resolve_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,24 +30,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_model(model_dir: str, hf_config, dtype: torch.dtype, device: str = "cpu", tp_rank: int = 0,
-               tp_size: int = 1) -> torch.nn.Module:
-    """The model, or with tp_size > 1 rank tp_rank's shard of it (sharded before loading: each rank reads only
-    its part of every tensor)."""
-    model_cls = resolve_model_class(hf_config)
+def build_model(hf_config, device: str = "cpu") -> torch.nn.Module:
+    """The registered architecture's model, built on `device` with uninitialised weights, in eval mode."""
     with torch.device(device):
-        model = model_cls(hf_config)
-        if tp_size > 1:
-            from pagedllm.distributed.tensor_parallel import shard_model
+        return resolve_model_class(hf_config)(hf_config).eval()
 
-            shard_model(model, tp_rank, tp_size)
+
+def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> None:
+    """Cast `model` to dtype and fill every parameter from the checkpoint; a layer with a `load_weight` method
+    reads its own part of a tensor (a lazy slice). Raises ValueError for a tensor with no place, a wrong shape,
+    or a parameter the checkpoint lacks."""
     model.to(dtype)
-    load_weights(model, model_dir)
-    pack_linears(model)  # bf16 on CPU only (nn.Linear only, so sharded layers stay as they are)
-    return model.eval()
-
-
-def load_weights(model: torch.nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

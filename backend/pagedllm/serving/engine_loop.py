@@ -14,8 +14,8 @@ import traceback
 from collections.abc import Callable
 
 from pagedllm.engine.engine import LLMEngine
+from pagedllm.engine.input_processor import ProcessedRequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class EngineLoop:
         return self.error is None and self.running
 
     # --- called from other threads ------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], prompt: str, params: SamplingParams,
-               priority: int = 0, timeout: float | None = None) -> None:
+    def submit(self, request_id: str, request: ProcessedRequest) -> None:
+        """Queue a request validated by an InputProcessor (on the caller's thread)."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error}")
-        self.commands.put(("add", request_id, prompt_token_ids, prompt, params, priority, timeout))
+        self.commands.put(("add", request_id, request))
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -91,11 +91,10 @@ class EngineLoop:
             block = False
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, prompt, params, priority, timeout = cmd
+                _, rid, request = cmd
                 try:
-                    self.engine.add_request({"prompt_token_ids": ids, "prompt": prompt}, params, request_id=rid,
-                                            priority=priority, timeout=timeout)
-                except Exception as e:  # bad input or queue full: this request only
+                    self.engine.add_request(request, request_id=rid)
+                except Exception as e:  # queue full: this request only
                     self.on_output(rid, None, e)
             elif kind == "abort":
                 out = self.engine.abort_request(cmd[1])

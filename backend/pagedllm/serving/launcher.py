@@ -9,6 +9,7 @@ on PATH, so the server is started with this interpreter's venv first on PATH, an
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import os
 import shutil
@@ -22,9 +23,9 @@ from pathlib import Path
 
 from pagedllm.net import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-MODEL_TEMPLATE = REPO_ROOT / "model_repository" / "pagedllm"
-DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "default-model"
+# Relative to the working directory (scripts/serve.sh runs from the checkout's root).
+DEFAULT_MODEL_DIR = Path(".cache") / "default-model"
+DEFAULT_WORKDIR = Path(".cache") / "serve"
 STUB_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
@@ -67,7 +68,11 @@ def prepare_model_repository(dest: Path, model_dir: str, engine_overrides: dict 
     target = dest / model_name
     if target.exists():
         shutil.rmtree(target)
-    shutil.copytree(MODEL_TEMPLATE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    # The model directory (config.pbtxt, 1/model.py, 1/engine.json) ships as this package's data; in a checkout
+    # it is model_repository/pagedllm, which serving/model_template links to.
+    template = importlib.resources.files("pagedllm.serving") / "model_template"
+    with importlib.resources.as_file(template) as src:
+        shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
     engine_path = target / "1" / "engine.json"
     engine = json.loads(engine_path.read_text())
     engine["model"] = str(Path(model_dir).resolve())
@@ -164,7 +169,7 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
-    p.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "serve"),
+    p.add_argument("--workdir", default=str(DEFAULT_WORKDIR),
                    help="where the model repository and backends directory are laid out")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class InvalidRequest(ValueError):
@@ -95,6 +95,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None)
     returns = {out for flag, out in _RETURN_FLAGS.items() if _flag(inputs, flag)}
     if "cumulative_logprob" in returns and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0  # logprobs are computed only when asked for: ask for the sampled token's
+    stream = _flag(inputs, "stream")
+    # A stream sends what is new at each step; otherwise one response carries the final result.
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
@@ -108,7 +111,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None)
     return ParsedRequest(
         prompt=prompt,
         params=params,
-        stream=_flag(inputs, "stream"),
+        stream=stream,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
         priority=_scalar(inputs["priority"], "priority", int) if "priority" in inputs else 0,
         timeout=timeout,

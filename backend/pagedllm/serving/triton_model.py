@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
@@ -52,9 +53,10 @@ class TritonPythonModel:
         metrics_on = engine_args.pop("enable_metrics", True)
         logging.basicConfig(level=logging.INFO, format="[pagedllm] %(levelname)s %(name)s: %(message)s")
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
-        # The adapter tokenizes on Triton's thread with its own tokenizer; the engine thread detokenizes
-        # with the engine's. The two are never shared across threads.
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.config.model)
+        # Requests are tokenized and validated on Triton's thread with the adapter's own tokenizer; the engine
+        # thread detokenizes with the engine's. The two are never shared across threads.
+        tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.config.model)
+        self.inputs = InputProcessor(tokenizer, self.engine.model_info)
         self.inflight: dict[str, _InFlight] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count()
@@ -101,12 +103,12 @@ class TritonPythonModel:
             parameters = {k: v for k, v in json.loads(request.parameters() or "{}").items()
                           if not k.startswith("triton_")}  # triton_* are the frontend's own
             parsed = parse_request(inputs, parameters)
-            ids = self.tokenizer.encode(parsed.prompt)
-            self.engine.validate_prompt(ids)
+            processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
             rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
             with self.lock:
-                self.inflight[rid] = _InFlight(sender, ResponseBuilder(parsed, len(ids)), triton_id)
-            self.loop.submit(rid, ids, parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
+                self.inflight[rid] = _InFlight(sender, ResponseBuilder(parsed, len(processed.prompt_token_ids)),
+                                               triton_id)
+            self.loop.submit(rid, processed)
         except (InvalidRequest, ValueError) as e:
             self.num_rejected += 1
             self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
@@ -175,8 +177,6 @@ class TritonPythonModel:
             self._finish(rid, state, error=(msg, code))
             return
         arrays = state.builder.arrays_for(out)
-        if arrays is None:
-            return
         tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
         response = pb_utils.InferenceResponse(output_tensors=tensors)
         if out.finished:

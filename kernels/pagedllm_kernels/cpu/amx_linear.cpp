@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cstdint>

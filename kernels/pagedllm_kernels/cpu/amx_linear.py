@@ -15,10 +15,23 @@ import torch.nn.functional as F
 
 from pagedllm_kernels.cpu.build import amx_supported, extension
 
-__all__ = ["MAX_ROWS", "amx_supported", "can_pack", "pack_weight", "unpack_weight", "linear", "reference"]
+__all__ = ["MAX_ROWS", "WeightBuffer", "amx_supported", "can_pack", "pack_weight", "unpack_weight", "linear",
+           "reference"]
 
 MAX_ROWS = 128
-_unpacked: torch.Tensor | None = None  # reused buffer for unpacked weights (a process runs one engine)
+
+
+class WeightBuffer:
+    """Room for one unpacked weight, reused by every layer of one model (its layers run one at a time); grown to
+    the largest weight on first use. Each model owns its buffer, so two models in a process never share one."""
+
+    def __init__(self) -> None:
+        self._data: torch.Tensor | None = None
+
+    def view(self, n: int, k: int) -> torch.Tensor:
+        if self._data is None or self._data.numel() < n * k:
+            self._data = torch.empty(n * k, dtype=torch.bfloat16)
+        return self._data[:n * k].view(n, k)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -44,19 +57,17 @@ def unpack_weight(packed: torch.Tensor, out: torch.Tensor | None = None) -> torc
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+           buffer: WeightBuffer | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ W^T (+ bias, fp32: added before rounding, as oneDNN does) -> [..., N] bf16, with W
-    packed by pack_weight."""
-    global _unpacked
+    packed by pack_weight. Above MAX_ROWS rows the weight is unpacked into `buffer` (a fresh one if None)."""
     k, n = packed.shape[1] * 32, packed.shape[0] * 32
     if x.shape[-1] != k or x.dtype != torch.bfloat16:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit a bf16 weight of {k} input features")
     rows = x.reshape(-1, k)
     if rows.shape[0] <= MAX_ROWS:
         return extension().amx_linear(rows, packed, bias).view(*x.shape[:-1], n)
-    if _unpacked is None or _unpacked.numel() < n * k:
-        _unpacked = torch.empty(n * k, dtype=torch.bfloat16)
-    weight = unpack_weight(packed, _unpacked[:n * k].view(n, k))
+    weight = unpack_weight(packed, (buffer or WeightBuffer()).view(n, k))
     # The bias came from bf16, so converting it back is exact; oneDNN adds it before its one rounding.
     return F.linear(rows, weight, None if bias is None else bias.to(torch.bfloat16)).view(*x.shape[:-1], n)
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 
+#include "ops.h"
 #include "simd.h"
 
 using pagedllm::exp16;

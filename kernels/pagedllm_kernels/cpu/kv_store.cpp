@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "kv_layout.h"
+#include "ops.h"
 
 namespace {
 

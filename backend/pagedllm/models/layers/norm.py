@@ -10,17 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.cpu_fused import ops_for
+from pagedllm.models.layers.fused import fused_for
 
 
 class RMSNorm(nn.Module):
+    fused_ops = None  # set by use_fused_ops
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        fused = ops_for(x)
+        fused = fused_for(self.fused_ops, x)
         if residual is not None:
             if fused is not None and x.is_contiguous() and residual.is_contiguous():
                 return fused.add_rms_norm_(x, residual, self.weight, self.eps)  # x, residual: overwritten

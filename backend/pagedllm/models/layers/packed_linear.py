@@ -6,14 +6,14 @@
 - `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
   M <= 64, equal for large batches).
 
-`PAGEDLLM_AMX_LINEAR=0` keeps oneDNN packing on AMX hosts too (for A/B runs). Only bf16 is swapped: fp32 is
+`pack_linears(model, use_amx=False)` keeps oneDNN packing on AMX hosts too (`EngineConfig.amx_linear`, for A/B
+runs). Only bf16 is swapped: fp32 is
 the path held token-identical to transformers, and oneDNN's packed fp32 path rounds differently from `F.linear`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -29,8 +29,6 @@ def packing_available() -> bool:
 
 def _amx_kernel():
     """The AMX linear module when this host can run it (and it builds), else None."""
-    if os.environ.get("PAGEDLLM_AMX_LINEAR", "1") == "0":
-        return None
     try:
         from pagedllm_kernels.cpu import amx_linear, build
 
@@ -44,16 +42,17 @@ def _amx_kernel():
 
 
 class AmxLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernel) -> None:
+    def __init__(self, linear: nn.Linear, kernel, buffer) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
+        self.buffer = buffer  # shared by the model's AMX layers: where a weight is unpacked for large batches
         self.register_buffer("packed_weight", kernel.pack_weight(linear.weight.detach()))
         # fp32, added before rounding (as oneDNN does)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear(x, self.packed_weight, self.bias)
+        return self.kernel.linear(x, self.packed_weight, self.bias, self.buffer)
 
 
 class PackedLinear(nn.Module):
@@ -70,17 +69,18 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 CPU nn.Linear in `model` by an AmxLinear or a PackedLinear (a transform over the
-    model, after its weights are loaded). Returns how many were replaced."""
+def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
+    """Replace every bf16 CPU nn.Linear in `model` by an AmxLinear (where `use_amx` and the host has AMX) or a
+    PackedLinear: a transform over the model, after its weights are loaded. Returns how many were replaced."""
     if not packing_available():
         return 0
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    amx = _amx_kernel() if targets else None
+    amx = _amx_kernel() if targets and use_amx else None
+    buffer = amx.WeightBuffer() if amx is not None else None
     modules = dict(model.named_modules())
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
-        fast = AmxLinear(linear, amx) if amx is not None and amx.can_pack(linear.weight) else PackedLinear(linear)
+        fast = AmxLinear(linear, amx, buffer) if amx is not None and amx.can_pack(linear.weight) else PackedLinear(linear)
         setattr(modules[parent_name] if parent_name else model, child, fast)
     return len(targets)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.models.layers.cpu_fused import ops_for
-
 # Types whose frequencies depend on the current sequence length; not supported by a precomputed table.
 _DYNAMIC_TYPES = {"dynamic", "longrope"}
 
@@ -41,9 +39,8 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotated x; on the fused CPU path x itself is rotated in place (callers use only the result)."""
-    fused = ops_for(x)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> torch.Tensor:
+    """Rotated x; with the fused ops (layers.fused) x itself is rotated in place (callers use only the result)."""
     if fused is not None and x.shape[-1] % 32 == 0:
         return fused.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)

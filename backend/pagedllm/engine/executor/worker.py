@@ -1,0 +1,59 @@
+"""One rank's share of the work: its shard of the model (all of it without tensor parallelism) and, once the
+engine has sized the KV cache, the runner that executes steps on it.
+
+The worker composes the model's transforms, in order: build (models.loader) -> shard (distributed, with tensor
+parallelism) -> load the weights -> pack bf16 CPU linears -> hand the fused CPU ops to the layers. The model
+definitions know none of these steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.distributed.comm import TensorParallelGroup
+from pagedllm.distributed.tensor_parallel import shard_model
+from pagedllm.engine.model_runner import ModelRunner
+from pagedllm.engine.step_inputs import StepInputs
+from pagedllm.models.layers.fused import load_fused_ops, use_fused_ops
+from pagedllm.models.layers.packed_linear import pack_linears
+from pagedllm.models.loader import build_model, load_weights
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rank needs to build its shard: the same on every rank (rank 0 broadcasts it to the others)."""
+
+    model: str
+    dtype: torch.dtype
+    device: str
+    block_size: int
+    fused_cpu_ops: bool
+    amx_linear: bool
+
+
+def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
+    """The model (or, with a group of several ranks, this rank's shard of it), loaded and ready to run."""
+    model = build_model(hf_config, device)
+    if group is not None and group.world_size > 1:
+        with torch.device(device):
+            shard_model(model, group)
+    load_weights(model, spec.model, spec.dtype)
+    pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
+    use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)
+    return model
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None) -> None:
+        self.spec, self.device = spec, device
+        self.model = load_shard(spec, hf_config, device, group)
+        self.runner: ModelRunner | None = None
+
+    def init_cache(self, num_blocks: int, backend) -> None:
+        self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size, self.spec.dtype, backend,
+                                  self.device)
+
+    def execute_step(self, step: StepInputs) -> torch.Tensor:
+        return self.runner.execute_step(step)

@@ -1,0 +1,62 @@
+"""What the engine needs to know about its model, resolved once from the HF config and the engine config:
+dtype, device, context length, EOS ids, vocabulary size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from pagedllm.config import EngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    hf_config: object
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, tokenizer) -> ModelInfo:
+        hf = AutoConfig.from_pretrained(config.model)
+        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(hf, _resolve_dtype(config.dtype, hf), device, _resolve_max_model_len(config, hf),
+                   frozenset(_eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size)
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+
+def _resolve_dtype(name: str, hf_config) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = _DTYPES.get(dt, torch.float32)
+    # float16 on CPU is slow and overflow-prone: auto picks bfloat16 there instead.
+    return torch.bfloat16 if dt == torch.float16 else (dt or torch.float32)
+
+
+def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = hf_config.max_position_embeddings
+    asked = config.max_model_len
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len: {asked} exceeds the model's max_position_embeddings {limit}")
+    return asked or limit
+
+
+def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = hf_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())

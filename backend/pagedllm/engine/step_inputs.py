@@ -1,0 +1,93 @@
+"""One step's flat token batch, in plain arrays that can be pickled to other tensor-parallel ranks.
+
+`build_step_inputs` lays out rows (one per sequence: the tokens it computes this step, where they start, its
+block table, how many logits it needs back); `prepare_step` makes those rows from a SchedulerOutput. The draft
+model of speculative decoding builds its own rows for its own sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """Rows are ordered decodes first, shortest context first (the attention backends group neighbouring
+    lengths)."""
+
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_table: np.ndarray  # [num_rows, max_blocks] int64, padded with the null block 0
+    seq_lens: list[int]
+    query_start_loc: list[int]  # [num_rows + 1]
+    num_decodes: int
+    logits_indices: list[int]  # token positions whose logits are returned, in order
+
+
+@dataclass
+class StepRow:
+    token_ids: list[int]  # computed this step: known tokens, then any draft tokens
+    start: int  # position of the first
+    block_ids: list[int]  # the sequence's blocks, covering start + len(token_ids) tokens
+    num_logits: int  # logit rows wanted, for the row's last tokens: 0, 1 (it samples), or 1 + k drafts
+
+
+def build_step_inputs(rows: list[StepRow], block_size: int) -> tuple[StepInputs, list[int]]:
+    """The step's inputs, and the order its rows were laid out in (indices into `rows`): logits come back for
+    the rows with num_logits > 0, in that order."""
+    # Decodes first, shortest context first.
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].token_ids) != 1,
+                                                    rows[i].start if len(rows[i].token_ids) == 1 else 0))
+    # Decode rows (one token each, the common case) as Python scalars; longer rows as arrays after them.
+    decode_ids, decode_pos, decode_slots = [], [], []
+    input_ids, positions, slots, seq_lens, starts, picks = [], [], [], [], [0], []
+    tables = []
+    for i in order:
+        row = rows[i]
+        n = len(row.token_ids)
+        end = row.start + n
+        if n == 1:
+            decode_ids.append(row.token_ids[0])
+            decode_pos.append(row.start)
+            decode_slots.append(row.block_ids[row.start // block_size] * block_size + row.start % block_size)
+        else:
+            blocks = np.asarray(row.block_ids, dtype=np.int64)
+            pos = np.arange(row.start, end, dtype=np.int64)
+            input_ids.append(np.asarray(row.token_ids, dtype=np.int64))
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        tables.append(row.block_ids)
+        seq_lens.append(end)
+        starts.append(starts[-1] + n)
+        picks.extend(range(starts[-1] - row.num_logits, starts[-1]))
+    input_ids.insert(0, np.asarray(decode_ids, dtype=np.int64))
+    positions.insert(0, np.asarray(decode_pos, dtype=np.int64))
+    slots.insert(0, np.asarray(decode_slots, dtype=np.int64))
+    table = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    step = StepInputs(np.concatenate(input_ids), np.concatenate(positions), np.concatenate(slots), table,
+                      seq_lens, starts, len(decode_ids), picks)
+    return step, order
+
+
+def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
+                 block_size: int) -> tuple[StepInputs, list[ScheduledRequest]]:
+    """The step's inputs for the scheduled requests, and the entries the logits belong to, in order: one logit
+    row per entry that samples, or 1 + k rows for an entry carrying k draft tokens (the positions that verify
+    them)."""
+    rows = []
+    for s in out.scheduled:
+        req = s.request
+        begin = req.num_computed_tokens
+        known = req.all_token_ids[begin:begin + s.num_tokens - len(s.spec_tokens)]
+        rows.append(StepRow(known + s.spec_tokens if s.spec_tokens else known, begin,
+                            kv.block_ids(req.request_id), 1 + len(s.spec_tokens) if s.samples else 0))
+    step, order = build_step_inputs(rows, block_size)
+    return step, [out.scheduled[i] for i in order if rows[i].num_logits]

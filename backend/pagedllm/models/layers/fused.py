@@ -1,0 +1,45 @@
+"""The fused C++ CPU ops (pagedllm_kernels.cpu.fused_ops) for the decoder's bf16 CPU tensors.
+
+Whether a model uses them is its builder's choice (`EngineConfig.fused_cpu_ops`): `use_fused_ops(model, ops)` is
+a transform over a built model that hands the ops to every layer that can use them (those with a `fused_ops`
+attribute). A layer keeps the torch expressions for any tensor that is not bf16 on the CPU: fp32 is the path
+held token-identical to transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def load_fused_ops() -> ModuleType | None:
+    """The fused-ops module, or None (the reason logged) where it cannot be built here: no AVX-512, no compiler,
+    no ninja."""
+    try:
+        from pagedllm_kernels.cpu import build, fused_ops
+
+        build.extension()
+        return fused_ops
+    except Exception as e:
+        logger.info("fused CPU ops unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        return None
+
+
+def fused_for(ops: ModuleType | None, x: torch.Tensor) -> ModuleType | None:
+    """`ops` when x should go through them (bf16 on the CPU), else None."""
+    if ops is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return ops
+
+
+def use_fused_ops(model: nn.Module, ops: ModuleType | None) -> int:
+    """Give `ops` (None: the torch expressions) to every layer of `model` that can use them; returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "fused_ops")]
+    for layer in layers:
+        layer.fused_ops = ops
+    return len(layers)

@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers of draft tokens, and their verification against the target model."""

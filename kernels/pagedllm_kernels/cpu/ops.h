@@ -1,0 +1,22 @@
+// The C++ entry points of the CPU kernels, declared once. Each .cpp that defines one includes this header, so a
+// definition that drifts from its declaration fails to compile; bindings.cpp exposes them to Python.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+// paged_attention.cpp: one query token per row (a decode token, or a prefill token over its own prefix).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, double scale, int64_t window);
+// kv_store.cpp
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+// fused_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor argmax(torch::Tensor x);
+// amx_linear.cpp
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
+void amx_unpack_weight(torch::Tensor packed, torch::Tensor out);

@@ -1,0 +1,281 @@
+// Paged attention for CPUs with AVX-512 (and AVX512-BF16): one query token per row (a decode token, or a prefill
+// token attending to its own prefix), K/V read in place through the block table in the layout of kv_layout.h,
+// online softmax block by block, fp32 accumulation.
+// Each KV head's query heads (GQA) are served from one pass over that KV head's contiguous run in each block.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "kv_layout.h"
+#include "ops.h"
+#include "simd.h"
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+using pagedllm::kUnit;
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kMaxHeads = 128; // query heads per row
+constexpr int kMaxBlock = 64;  // tokens per block
+
+// Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
+// bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
+template <typename T>
+struct Units;
+template <>
+struct Units<float> {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static __m512 keep_elements(__m512 v, __mmask32) { return v; }  // a unit is one element: never split
+};
+template <>
+struct Units<at::BFloat16> {
+  static __m512 load(const at::BFloat16* p) { return _mm512_loadu_ps(p); }
+  static __m512 broadcast(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)));
+  }
+  static __m512 dot(__m512 acc, __m512 a, __m512 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  static __m512 keep_elements(__m512 v, __mmask32 keep) {
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi16(keep, _mm512_castps_si512(v)));
+  }
+};
+
+// Unscaled scores of NG query heads for the 16 tokens c..c+15 of one (block, KV head) K run.
+// Two accumulators per head (even and odd units) halve the dependency chains.
+template <typename T, int U, int NG>
+inline void scores16(const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+  constexpr int P = kUnit<T>;
+  __m512 even[NG], odd[NG];
+  for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int j = 0; j < U; j += 2) {
+    const __m512 k0 = Units<T>::load(kb + (j * block_size + c) * P);
+    const __m512 k1 = Units<T>::load(kb + ((j + 1) * block_size + c) * P);
+    for (int g = 0; g < NG; ++g) {
+      even[g] = Units<T>::dot(even[g], k0, Units<T>::broadcast(qh[g] + j * P));
+      odd[g] = Units<T>::dot(odd[g], k1, Units<T>::broadcast(qh[g] + (j + 1) * P));
+    }
+  }
+  for (int g = 0; g < NG; ++g) s[g] = _mm512_add_ps(even[g], odd[g]);
+}
+
+// acc[g] += sum over units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in registers.
+// keep_first/keep_last mask the elements of the edge units that belong to tokens outside the live range
+// (their probabilities are 0, but the cache there may hold anything, even NaN).
+template <typename T, int CH, int NG>
+inline void weighted_values(const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                            __mmask32 keep_first, __mmask32 keep_last) {
+  constexpr int P = kUnit<T>, D = 16 * CH;
+  __m512 a[NG][CH];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
+  for (int64_t u = u0; u < u1; ++u) {
+    const T* vr = vb + u * D * P;
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = Units<T>::load(vr + 16 * c * P);
+    const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
+    if (keep != ~0u)
+      for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = Units<T>::broadcast(probs[g] + u * P);
+      for (int c = 0; c < CH; ++c) a[g][c] = Units<T>::dot(a[g][c], vv[c], p);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[g] + 16 * c, a[g][c]);
+}
+
+// The two passes for a run-time head count ng <= NG (templates need it at compile time).
+template <typename T, int U, int NG>
+inline void scores16_for(int ng, const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+  if constexpr (NG > 1)
+    if (ng < NG) return scores16_for<T, U, NG - 1>(ng, qh, kb, block_size, c, s);
+  scores16<T, U, NG>(qh, kb, block_size, c, s);
+}
+template <typename T, int CH, int NG>
+inline void weighted_values_for(int ng, const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                                __mmask32 keep_first, __mmask32 keep_last) {
+  if constexpr (NG > 1)
+    if (ng < NG) return weighted_values_for<T, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
+  weighted_values<T, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
+}
+
+// Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
+inline __mmask16 live_lanes(int64_t c, int64_t a, int64_t b) {
+  const int64_t lo = std::max<int64_t>(a - c, 0), hi = std::min<int64_t>(b - c, 16);
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+template <typename T, int CH>
+void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* seq_lens, T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t block_size, int64_t table_stride, float scale, int64_t window) {
+  constexpr int64_t D = 16 * CH;
+  constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
+  constexpr int SB = 4;                 // query heads per scores pass
+  constexpr int VB = CH <= 4 ? 4 : 2;   // query heads per values pass: VB * CH accumulators in registers
+  const int64_t group = num_heads / num_kv_heads, run = block_size * D;
+  // One work item: a row's KV heads k0..k1-1 (contiguous in every block) and the query heads reading them.
+  auto attend = [&](int64_t row, int64_t k0, int64_t k1) {
+    const int64_t served = (k1 - k0) * group;
+    alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
+    alignas(64) float scores[kMaxGroup][kMaxBlock];
+    alignas(64) T probs[kMaxGroup][kMaxBlock];  // exp(score - running max), in the cache's dtype
+    float running_max[kMaxHeads];
+    alignas(64) float denom[kMaxHeads][16];  // partial sums of the softmax denominator
+    const T* qh[kMaxHeads];
+    float* acc_h[kMaxHeads];
+    T* probs_h[kMaxGroup];
+    for (int64_t h = 0; h < served; ++h) {
+      qh[h] = q + row * q_stride + (k0 * group + h) * D;
+      acc_h[h] = acc[h];
+      for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
+      running_max[h] = -std::numeric_limits<float>::infinity();
+      _mm512_store_ps(denom[h], _mm512_setzero_ps());
+    }
+    for (int64_t g = 0; g < group; ++g) probs_h[g] = probs[g];
+    const int64_t len = seq_lens[row];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t* table = block_tables + row * table_stride;
+    for (int64_t start = first - first % block_size; start < len; start += block_size) {
+      const int64_t idx = start / block_size;
+      const int64_t base = (table[idx] * num_kv_heads + k0) * run;
+      if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
+        const int64_t next = (table[idx + 1] * num_kv_heads + k0) * run;
+        const char* kn = reinterpret_cast<const char*>(k_cache + next);
+        const char* vn = reinterpret_cast<const char*>(v_cache + next);
+        for (int64_t off = 0; off < (k1 - k0) * run * static_cast<int64_t>(sizeof(T)); off += 64) {
+          _mm_prefetch(kn + off, _MM_HINT_T0);
+          _mm_prefetch(vn + off, _MM_HINT_T0);
+        }
+      }
+      const int64_t a = std::max(start, first) - start, b = std::min(start + block_size, len) - start;
+      const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
+      // bf16: an edge unit (a token pair) may hold a token outside [a, b): keep only the live one's elements.
+      const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
+      for (int64_t kvh = k0; kvh < k1; ++kvh) {
+        const T* kb = k_cache + base + (kvh - k0) * run;
+        const T* vb = v_cache + base + (kvh - k0) * run;
+        const int64_t hq = (kvh - k0) * group;  // this KV head's first query head among those served
+        for (int64_t h0 = 0; h0 < group; h0 += SB) {
+          const int ng = static_cast<int>(std::min<int64_t>(SB, group - h0));
+          for (int64_t c = c0; c < b; c += 16) {
+            __m512 s[SB];
+            scores16_for<T, U, SB>(ng, qh + hq + h0, kb, block_size, c, s);
+            for (int g = 0; g < ng; ++g)
+              _mm512_store_ps(scores[h0 + g] + c, _mm512_mul_ps(s[g], _mm512_set1_ps(scale)));
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
+          const int64_t h = hq + g;
+          // Horizontal reductions are the costly part: the block's lane-wise max is reduced only when some
+          // lane exceeds the running max, and the denominator is kept as 16 partial sums until the end.
+          __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (int64_t c = c0; c < b; c += 16)
+            lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, a, b), lane_max, _mm512_load_ps(scores[g] + c));
+          if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[h]), _CMP_GT_OQ)) {
+            const float block_max = _mm512_reduce_max_ps(lane_max);
+            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[h] - block_max));
+            _mm512_store_ps(denom[h], _mm512_mul_ps(_mm512_load_ps(denom[h]), rescale));
+            for (int c = 0; c < CH; ++c)
+              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), rescale));
+            running_max[h] = block_max;
+          }
+          const __m512 m = _mm512_set1_ps(running_max[h]);
+          __m512 sum = _mm512_load_ps(denom[h]);
+          for (int64_t c = c0; c < b; c += 16) {
+            // Rounded to the cache's dtype first, so the denominator sums exactly the weights the values get.
+            const __m512 p = pagedllm::round_to(probs[g], _mm512_maskz_mov_ps(
+                live_lanes(c, a, b), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[g] + c), m))));
+            sum = _mm512_add_ps(sum, p);
+            pagedllm::store16(probs[g] + c, p);
+          }
+          _mm512_store_ps(denom[h], sum);
+        }
+        for (int64_t h0 = 0; h0 < group; h0 += VB)
+          weighted_values_for<T, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
+                                         acc_h + hq + h0, u0, u1, keep_first, keep_last);
+      }
+    }
+    for (int64_t h = 0; h < served; ++h) {
+      T* o = out + (row * num_heads + k0 * group + h) * D;
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[h]));
+      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
+    }
+  };
+  // Enough rows: one item per row, so each block is read as one contiguous run and prefetched whole. Few rows
+  // (small batches, one long prefill row): one item per (row, KV head), so every thread has work.
+  const int threads = at::get_num_threads();
+  const int64_t heads_per_item = num_rows >= 4 * threads ? num_kv_heads : 1;
+  const int64_t splits = num_kv_heads / heads_per_item;
+  // Rows differ in length by up to the context length (decode rows come sorted by it, and a prefill row's
+  // tokens grow along it): hand the items out one at a time, not in equal contiguous ranges.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t item = 0; item < num_rows * splits; ++item) {
+    const int64_t k0 = (item % splits) * heads_per_item;
+    attend(item / splits, k0, k0 + heads_per_item);
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables,
+                       const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t table_stride, float scale, int64_t window) {
+#define PAGEDLLM_CASE(CH)                                                                                    \
+  case 16 * CH:                                                                                              \
+    return attend_items<T, CH>(q, q_stride, k, v, tables, lens, out, rows, heads, kv_heads, block_size,       \
+                               table_stride, scale, window);
+  switch (head_dim) {
+    PAGEDLLM_CASE(2)
+    PAGEDLLM_CASE(4)
+    PAGEDLLM_CASE(6)
+    PAGEDLLM_CASE(8)
+    default:
+      TORCH_CHECK(false, "head_dim must be 32, 64, 96 or 128, got ", head_dim);
+  }
+#undef PAGEDLLM_CASE
+}
+
+}  // namespace
+
+// q [rows, H, D] (rows may be strided); k_cache, v_cache [blocks, block_size, KVH, D] contiguous, in the
+// layout of kv_layout.h; block_tables [rows, max_blocks] int64; seq_lens [rows] int64 (context length
+// including the query token); window <= 0: none. Returns [rows, H, D] in q's dtype.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [rows, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && block_tables.stride(1) == 1,
+              "block_tables and seq_lens must be int64 (block_tables row-major)");
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "q and the cache disagree on head_dim");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && heads <= kMaxHeads,
+              "heads must be a multiple of kv_heads, at most 16 per KV head and 128 in all");
+  TORCH_CHECK(block_size % 16 == 0 && block_size <= kMaxBlock, "block_size must be 16, 32, 48 or 64");
+  TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
+  auto out = torch::empty({rows, heads, head_dim}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                             rows, heads, kv_heads, head_dim, block_size, block_tables.stride(0),
+                             static_cast<float>(scale), window);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
+    dispatch_head_dim<at::BFloat16>(q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
+                                    v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),
+                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), rows, heads, kv_heads,
+                                    head_dim, block_size, block_tables.stride(0), static_cast<float>(scale), window);
+  }
+  return out;
+}

@@ -1,0 +1,57 @@
+"""Paged attention on AVX-512 CPUs: the C++ kernel beside this file, its launcher, and a torch reference.
+
+Each row is one query token with its own block table and context length: a decode token, or a prefill token
+attending to its own prefix (the tokens before it and itself). The kernel reads K/V in place through the block table, in the layout kv_layout.py describes (the torch path
+gathers them into a padded copy first), and serves all query heads of a KV head from one pass over that KV
+head's run in each block. It is compiled on first use into torch's extension cache (see build.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm_kernels.cpu.build import cpu_supported, extension
+
+__all__ = ["cpu_supported", "load_kernel", "paged_attention", "reference"]
+
+
+def load_kernel() -> None:
+    """Compile (or load the cached build of) the kernel; raises RuntimeError with the reason when it cannot."""
+    extension()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q [rows, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py);
+    block_tables [rows, >= ceil(len/bs)] int64; seq_lens [rows] int64 (including the query token).
+    Returns [rows, H, D] in q's dtype."""
+    if q.device.type != "cpu":
+        raise ValueError("paged_attention is a CPU kernel")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} KV heads")
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError("one block table row and one length per query row")
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    return extension().paged_attention(q, k_cache, v_cache, block_tables.long(), seq_lens.long().contiguous(),
+                                       float(scale), window or 0)
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+    """Row by row: gather the row's blocks, attend with SDPA in fp32. Caches in the plain layout."""
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for r in range(q.shape[0]):
+        n = int(seq_lens[r])
+        blocks = block_tables[r, :-(-n // bs)]
+        k = k_cache[blocks].flatten(0, 1)[:n].float()
+        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        first = max(0, n - window) if window else 0
+        k, v = k[first:], v[first:]
+        o = F.scaled_dot_product_attention(q[r, :, None].float(), k.transpose(0, 1), v.transpose(0, 1),
+                                           scale=scale, enable_gqa=True)
+        out[r] = o[:, 0].to(q.dtype)
+    return out

@@ -1,0 +1,111 @@
+"""Attention backend selection, and the Triton and CPU-kernel backends inside the engine."""
+
+import pytest
+from conftest import assert_all_blocks_free, random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention import selector
+from pagedllm_kernels.cpu import paged_attention as cpu_kernel
+
+
+def greedy(llm, prompts, n=6):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
+    d = model_dir("qwen3")
+    prompts = random_prompts([5, 40, 17], seed=2)
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    ref = LLM(d, attention_backend="torch", **kw)
+    tri = LLM(d, attention_backend="triton", **kw)
+    assert tri.get_stats().attention_backend == "triton"
+    assert greedy(tri, prompts) == greedy(ref, prompts)  # chunked prefill (budget 32) included
+    assert_all_blocks_free(tri)
+
+
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
+def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
+    prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # 700: prefill chunks deep into a long context
+    kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+              device="cpu")  # a CPU kernel, also when the test host has a GPU
+    ref = LLM(model_dir(arch), attention_backend="torch", **kw)
+    cpu = LLM(model_dir(arch), attention_backend="cpu", **kw)
+    assert cpu.get_stats().attention_backend == "cpu"
+    assert greedy(cpu, prompts, n=24) == greedy(ref, prompts, n=24)
+    assert_all_blocks_free(cpu)
+
+
+def test_auto_picks_a_working_backend_and_records_why(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, device="cpu")
+    sel = llm.get_stats().attention_selection
+    assert sel["chosen"] == llm.get_stats().attention_backend
+    assert sel["results"][sel["chosen"]]["ok"] and sel["results"][sel["chosen"]]["ms"] > 0
+    assert set(sel["results"]) == set(selector.AUTO_CANDIDATES["cpu"])  # every candidate was tried and reported
+    assert "fastest" in sel["reason"]
+    assert len(greedy(llm, random_prompts([9]))[0]) == 6
+
+
+def test_a_failing_backend_falls_back_with_a_reason(llama_dir, monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setitem(selector.BUILDERS, "triton", broken)
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, attention_backend="triton")
+    sel = llm.get_stats().attention_selection
+    assert llm.get_stats().attention_backend == "torch"
+    assert sel["reason"].startswith("fallback") and "no GPU here" in sel["results"]["triton"]["error"]
+    assert len(greedy(llm, random_prompts([9]))[0]) == 6
+
+
+def test_a_wrong_backend_is_rejected(llama_dir, monkeypatch):
+    class Wrong(selector.TorchAttention):
+        name = "wrong"
+
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 1.5
+
+    monkeypatch.setitem(selector.BUILDERS, "wrong", Wrong)
+    monkeypatch.setitem(selector.AUTO_CANDIDATES, "cpu", (*selector.AUTO_CANDIDATES["cpu"], "wrong"))
+    llm = LLM(llama_dir, dtype="float32", max_model_len=128, device="cpu")
+    res = llm.get_stats().attention_selection["results"]["wrong"]
+    assert not res["ok"] and "differs" in res["error"]
+    assert llm.get_stats().attention_backend != "wrong"
+
+
+def test_unknown_backend_name_is_an_error(llama_dir):
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(llama_dir, attention_backend="flash9000")
+
+
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("window", [None, 16])
+def test_cpu_backend_mixes_kernel_rows_and_fresh_prompts(window):
+    """One step with 2 decode rows, a fresh 40-token prompt (fused SDPA unless longer than the window), and a
+    12-token chunk after 30 cached tokens (kernel rows): the cpu backend must match the torch reference."""
+    import torch
+    from pagedllm.attention.metadata import AttentionMetadata
+
+    bs, kvh, heads, d = 16, 2, 6, 32
+    ctx, q_lens = [37, 50, 40, 42], [1, 1, 40, 12]
+    g = torch.Generator().manual_seed(4)
+    tables = (torch.randperm(20, generator=g)[:16] + 1).view(4, 4)
+    starts = [0, 1, 2, 42, 54]
+    slots_of = [tables[i, torch.arange(c) // bs] * bs + torch.arange(c) % bs for i, c in enumerate(ctx)]
+    k_all, v_all = (torch.randn(sum(ctx), kvh, d, generator=g) for _ in range(2))
+    q = torch.randn(starts[-1], heads, d, generator=g)
+    offsets = [0, 37, 87, 127]
+    step = torch.cat([torch.arange(o + c - n, o + c) for o, c, n in zip(offsets, ctx, q_lens)])
+    outs = {}
+    for name in ("torch", "cpu"):
+        backend = selector.BUILDERS[name]()
+        cache = torch.zeros(2, 21, bs, kvh, d)
+        backend.store_kv(k_all, v_all, cache, torch.cat(slots_of))  # every context token, as earlier steps would
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots_of)[step], block_tables=tables, seq_lens=torch.tensor(ctx),
+            query_start_loc=starts, query_start_loc_t=torch.tensor(starts, dtype=torch.int32), max_query_len=40,
+            seq_lens_list=ctx, num_decodes=2, block_size=bs, backend=backend)
+        with torch.inference_mode():
+            outs[name] = backend.forward(q, k_all[step], v_all[step], cache, meta, d ** -0.5, window)
+    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,39 @@
+"""The perf scripts' --quick modes run end to end (their figures are for perf/README.md, not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PERF = Path(__file__).resolve().parents[2] / "perf"
+
+
+def run(script, *args):
+    out = subprocess.run([sys.executable, str(PERF / script), *args], capture_output=True, text=True,
+                         timeout=600, cwd=PERF.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("script, args, key", [
+    ("throughput.py", ["--quick", "--sizes", "tiny", "--rounds", "2"], "median_ratio_pagedllm_over_transformers"),
+    ("memory.py", ["--quick"], "concurrency_ratio"),
+    ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
+])
+def test_quick_mode_prints_its_ratios(script, args, key):
+    records = run(script, *args)
+    values = [r[key] for r in records if key in r]
+    assert values and all(v > 0 for v in values)
+
+
+def test_tensor_parallel_traffic_matches_theory():
+    """Two all-reduces per layer plus the embedding's, of tokens x hidden each, and one logits all-gather."""
+    records = run("tensor_parallel.py", "--quick", "--dtype", "float32")
+    comm = [r for r in records if r["bench"] == "tp_comm"]
+    assert {r["steps"] for r in comm} == {"prefill or mixed", "decode only"}
+    assert all(r["all_reduce_ratio"] == 1.0 and r["all_gather_ratio"] == 1.0 for r in comm)
+    assert all(r["all_reduce_calls_per_step"] == 2 * 2 + 1 for r in comm)  # the tiny model has 2 layers
+    (tput,) = [r for r in records if r["bench"] == "tp_throughput"]
+    assert tput["identical_sequences"] == "8/8"
