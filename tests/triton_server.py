@@ -8,6 +8,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from pagedllm.serving import launcher
 
 
@@ -58,10 +60,24 @@ class Server:
 
 
 def start(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
-          config_overrides: str = "") -> Server:
-    run = launcher.launch_on_free_ports(workdir, model_dir, engine_overrides, extra_args, config_overrides)
+          config_overrides: str = "", explicit_model_control: bool = True) -> Server:
+    run = launcher.launch_on_free_ports(workdir, model_dir, engine_overrides, extra_args, config_overrides,
+                                        explicit_model_control=explicit_model_control)
     return Server(run.proc, run.http_port, run.grpc_port, run.metrics_port, run.log)
 
 
 def stop(server: Server) -> None:
     launcher.stop_server(server.proc)
+
+
+def server_fixture(engine_overrides: dict):
+    """A module-scoped `server` fixture: one server of the tiny Llama with these engine settings, for every test
+    of the module (`server = triton_server.server_fixture(ENGINE)`)."""
+
+    @pytest.fixture(scope="module")
+    def server(llama_dir, tmp_path_factory):
+        s = start(tmp_path_factory.mktemp("triton"), llama_dir, engine_overrides)
+        yield s
+        stop(s)
+
+    return server

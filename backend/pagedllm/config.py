@@ -58,6 +58,77 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: bounds a server needs so that no request costs the others much. Offline
+    and served requests alike are checked (engine/input_processor.py); the JSON bounds apply to the Triton
+    inputs that carry JSON (serving/request_parser.py)."""
+
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1 (one token of room to generate)
+    max_prompt_bytes: int = 1 << 20  # a text prompt's UTF-8 bytes, checked before tokenizing
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_logprobs: int = 20  # top logprobs per generated token
+    max_json_bytes: int = 64 << 10
+    max_json_depth: int = 32  # nesting of arrays and objects
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "max_prompt_tokens" and value is None:
+                continue
+            _require(_int(value) and value >= (0 if f.name == "max_logprobs" else 1), f.name,
+                     f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only: make one point of the engine raise, to prove that a failure costs only what it should.
+    `point`: "sample", "detokenize", "propose" (failures that belong to one request: they fire for requests
+    whose prompt holds `token_id`) or "forward" (the shared forward pass: fires for a step whose batch holds
+    such a request)."""
+
+    point: str
+    token_id: int
+
+    def __post_init__(self) -> None:
+        _require(self.point in ("sample", "detokenize", "propose", "forward"), "fault_injection",
+                 f"point must be sample, detokenize, propose or forward, got {self.point!r}")
+        _require(_int(self.token_id) and self.token_id >= 0, "fault_injection", "token_id must be an id >= 0")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The Triton adapter's own settings (engine.json keys beside the engine's)."""
+
+    enable_metrics: bool = True
+    # A dead engine (a failed forward pass, a lost tensor-parallel worker) is rebuilt this many times in a row
+    # at most, waiting engine_restart_backoff_s, then twice that, and so on, before each attempt.
+    max_engine_restarts: int = 3
+    engine_restart_backoff_s: float = 1.0
+    # "in_process": the engine is rebuilt inside the model's process (any model-control mode; readiness stays
+    # READY meanwhile). "reload": the model unloads itself (NOT READY) and loads itself again; needs Triton's
+    # explicit model control (`pagedllm serve` runs that and sets this).
+    engine_restart: str = "in_process"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enable_metrics, bool), "enable_metrics", "must be true or false")
+        _require(_int(self.max_engine_restarts) and self.max_engine_restarts >= 0, "max_engine_restarts",
+                 f"must be an integer >= 0, got {self.max_engine_restarts!r}")
+        _require(self.engine_restart in ("in_process", "reload"), "engine_restart",
+                 f"must be 'in_process' or 'reload', got {self.engine_restart!r}")
+        _require(isinstance(self.engine_restart_backoff_s, (int, float)) and
+                 0 <= self.engine_restart_backoff_s <= 3600, "engine_restart_backoff_s",
+                 f"must be seconds in [0, 3600], got {self.engine_restart_backoff_s!r}")
+
+    @classmethod
+    def split(cls, args: dict) -> tuple[ServingConfig, dict]:
+        """engine.json's entries -> (this config, the rest: the engine's arguments)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in args.items() if k in names}), {k: v for k, v in args.items() if k not in names}
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: `method` "ngram" (prompt lookup) or "draft_model" (a smaller model sharing the
     tokenizer, at `model`)."""
@@ -115,8 +186,10 @@ class EngineConfig:
     # CPU kernel switches (bf16 on CPU only; for A/B measurements), reported in EngineStats.kernels.
     fused_cpu_ops: bool = field(default_factory=lambda: _env_default("PAGEDLLM_FUSED_CPU_OPS"))
     amx_linear: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_LINEAR"))
+    fault_injection: FaultInjection | None = None  # test-only (a dict is converted)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -128,14 +201,17 @@ class EngineConfig:
                  f"only 1 is supported (got {self.pipeline_parallel_size!r}); split the model with "
                  "tensor_parallel_size instead")
         for name in ("fused_cpu_ops", "amx_linear"):
-            _require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if isinstance(self.fault_injection, dict):
+            object.__setattr__(self, "fault_injection", FaultInjection(**self.fault_injection))
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
         """Sort flat keyword arguments into the nested configs; unknown names are an error."""
-        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "limits": RequestLimits}
         nested: dict[str, dict] = {name: {} for name in groups}
         top: dict = {}
         top_names = {f.name for f in dataclasses.fields(cls)} - set(groups)
@@ -148,5 +224,4 @@ class EngineConfig:
                 if key not in top_names:
                     raise ValueError(f"unknown engine argument {key!r}")
                 top[key] = value
-        return cls(model=model, cache=CacheConfig(**nested["cache"]),
-                   scheduler=SchedulerConfig(**nested["scheduler"]), **top)
+        return cls(model=model, **{name: klass(**nested[name]) for name, klass in groups.items()}, **top)

@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None  # None unless the request asked for logprobs (as in vLLM)
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the request
 
 
@@ -49,3 +49,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # with finish_reason "error": what failed (this request only)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -43,43 +44,47 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop, "stop", str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
+        """Raise ValueError naming the first field out of range. Checks run in order and each only after the
+        ones before it held, so a value of the wrong type never reaches a comparison."""
         checks = [
-            ("n", self.n == 1, "only n=1 is supported"),
-            ("temperature", _num(self.temperature) and self.temperature >= 0, "must be >= 0"),
-            ("top_p", _num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", _int(self.top_k) and self.top_k >= 0, "must be an integer >= 0 (or -1 for all)"),
-            ("min_p", _num(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("seed", self.seed is None or _int(self.seed), "must be an integer"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(_int(t) and t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
-            ("max_tokens", self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
-             "must be an integer >= 1"),
-            ("min_tokens", _int(self.min_tokens) and self.min_tokens >= 0, "must be an integer >= 0"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            ("n", lambda: self.n == 1, "only n=1 is supported"),
+            ("temperature", lambda: _finite(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_p", lambda: _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", lambda: _int(self.top_k) and 0 <= self.top_k <= MAX_INT32,
+             "must be an integer >= 0 (or -1 for all)"),
+            ("min_p", lambda: _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", lambda: self.seed is None or (_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+             "must be an integer in [0, 2^64 - 1]"),
+            ("stop", lambda: all(self.stop), "must be non-empty strings"),
+            ("stop_token_ids", lambda: all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+            ("max_tokens", lambda: self.max_tokens is None or (_int(self.max_tokens) and 1 <= self.max_tokens
+                                                               <= MAX_INT32), "must be an integer in [1, 2^31 - 1]"),
+            ("min_tokens", lambda: _int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32,
+             "must be an integer in [0, 2^31 - 1]"),
+            ("min_tokens", lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must be <= max_tokens"),
-            ("logprobs", self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
-             "must be an integer in [0, 20]"),
-            ("presence_penalty", _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            ("logprobs", lambda: self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_INT32),
+             "must be an integer >= 0"),
+            ("presence_penalty", lambda: _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              "must be in [-2, 2]"),
-            ("frequency_penalty", _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            ("frequency_penalty", lambda: _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "must be in [-2, 2]"),
-            ("repetition_penalty", _num(self.repetition_penalty) and self.repetition_penalty > 0,
-             "must be > 0"),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
-            ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
+            ("repetition_penalty", lambda: _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be a finite number > 0"),
+            ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool), "must be a boolean"),
+            ("output_kind", lambda: isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
         for name, ok, msg in checks:
-            if not ok:
-                raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
+            if not ok():
+                raise ValueError(f"{name}: {msg}, got {_show(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -90,9 +95,33 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+MAX_INT32 = 2 ** 31 - 1
+MAX_SEED = 2 ** 64 - 1
+
+
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # rejects NaN
+def _finite(v) -> bool:
+    """A real number, not NaN or infinite (a bool is not a number here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _as_list(value, name: str, kind: type) -> list:
+    """A string (for stop) or a list of values of `kind`, as a list; anything else is a ValueError."""
+    if value is None:
+        return []
+    if kind is str and isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) and not isinstance(v, bool)
+                                                        for v in value):
+        raise ValueError(f"{name}: must be a list of {'strings' if kind is str else 'token ids'}, got {_show(value)}")
+    return list(value)
+
+
+def _show(value) -> str:
+    """A value for an error message: one short line, whatever its size."""
+    big = isinstance(value, int) and value.bit_length() > 100  # repr of a huge int is long, or even refused
+    text = f"an integer of {value.bit_length()} bits" if big else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

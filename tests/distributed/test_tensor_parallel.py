@@ -100,7 +100,8 @@ def test_a_killed_worker_fails_in_flight_requests_and_the_engine_reports_unhealt
     try:
         worker = _worker(llm)
         c, dead = Collector(), []
-        loop = EngineLoop(llm.engine, c, on_dead=dead.append)
+        # on_dead takes over the recovery (returns True): the loop stays down
+        loop = EngineLoop(lambda: None, c, on_dead=lambda e: dead.append(e) or True, engine=llm.engine)
         for i in range(3):
             loop.submit(str(i), llm.engine.input_processor.process([0, 5 + i, 6], SamplingParams(max_tokens=400, ignore_eos=True)))
         wait_for(lambda: len(c.items) >= 6)  # all three are decoding
@@ -171,8 +172,7 @@ def test_tp2_model_through_triton_streams_and_unload_leaves_no_worker(llama_dir,
         "def main():", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     engine = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 8 << 20,
               "tensor_parallel_size": 2}
-    server = triton_server.start(tmp_path, llama_dir, engine,
-                                 extra_args=["--model-control-mode=explicit", "--load-model=pagedllm"])
+    server = triton_server.start(tmp_path, llama_dir, engine)
     try:
         workers = _worker_pids_under(server.proc.pid)
         assert len(workers) == 1

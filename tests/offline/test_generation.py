@@ -150,11 +150,14 @@ def test_abort_frees_blocks_and_others_finish(llm):
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"logprobs": 50}, "logprobs"),
+    ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"), ({"n": 2}, "n"),
-    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"seed": 2 ** 64}, "seed"), ({"seed": -1}, "seed"), ({"max_tokens": 2 ** 31}, "max_tokens"),
+    ({"max_tokens": 10 ** 400}, "max_tokens"), ({"stop": 5}, "stop"), ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+    ({"top_k": 2 ** 40}, "top_k"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

@@ -1,9 +1,11 @@
-"""The engine thread used by the Triton adapter: outputs, per-request errors, abort, and engine death."""
+"""The engine thread used by the Triton adapter: outputs, per-request errors, abort, engine death and the
+bounded, backed-off restarts after it."""
 
 import pytest
 
 from conftest import Collector, assert_all_blocks_free, wait_for
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.engine import LLMEngine
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 
 
@@ -12,18 +14,26 @@ def llm(llama_dir):
     return LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, max_queue_size=4)
 
 
+def _fail_forward(engine):
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device fault")
+
+    engine.executor.execute_step = boom
+
+
 def test_outputs_errors_and_abort(llm):
     c = Collector()
-    loop = EngineLoop(llm.engine, c)
+    loop = EngineLoop(lambda: None, c, engine=llm.engine)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    loop.submit("a", llm.engine.input_processor.process([0, 5, 6], params))
-    loop.submit("dup", llm.engine.input_processor.process([0, 5], params))
-    loop.submit("dup", llm.engine.input_processor.process([0, 5], params))  # duplicate id: an error for that submission only
-    loop.submit("long", llm.engine.input_processor.process([0, 7], SamplingParams(max_tokens=200, ignore_eos=True)))
+    process = llm.engine.input_processor.process
+    loop.submit("a", process([0, 5, 6], params))
+    loop.submit("dup", process([0, 5], params))
+    loop.submit("dup", process([0, 5], params))  # duplicate id: an error for that submission only
+    loop.submit("long", process([0, 7], SamplingParams(max_tokens=200, ignore_eos=True)))
     wait_for(lambda: "a" in c.finished and "dup" in c.finished)
     loop.abort("long")
     wait_for(lambda: "long" in c.finished)
-    assert c.finished["a"].outputs[0].token_ids.__len__() == 8
+    assert len(c.finished["a"].outputs[0].token_ids) == 8
     assert c.finished["long"].outputs[0].finish_reason == "abort"
     errors = [err for rid, _, err in c.items if err is not None]
     assert len(errors) == 1 and "request_id" in str(errors[0])
@@ -31,19 +41,58 @@ def test_outputs_errors_and_abort(llm):
     assert_all_blocks_free(llm)
 
 
-def test_a_failing_step_fails_every_request_and_marks_the_loop_dead(llm, monkeypatch):
-    c = Collector()
-    dead = []
-    loop = EngineLoop(llm.engine, c, on_dead=dead.append)
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("simulated device fault")
-
-    monkeypatch.setattr(llm.engine.executor, "execute_step", boom)
-    loop.submit("x", llm.engine.input_processor.process([0, 5, 6], SamplingParams(max_tokens=4)))
-    loop.submit("y", llm.engine.input_processor.process([0, 9], SamplingParams(max_tokens=4)))
+def test_a_failing_step_fails_every_request_once_and_without_restarts_the_loop_stays_dead(llm):
+    c, dead = Collector(), []
+    loop = EngineLoop(lambda: pytest.fail("no restart expected"), c, on_dead=dead.append, engine=llm.engine,
+                      max_restarts=0)
+    _fail_forward(llm.engine)
+    process = llm.engine.input_processor.process
+    loop.submit("x", process([0, 5, 6], SamplingParams(max_tokens=4)))
+    loop.submit("y", process([0, 9], SamplingParams(max_tokens=4)))
     wait_for(lambda: len(c.finished) == 2)
     assert all(isinstance(e, EngineDeadError) and "simulated device fault" in str(e) for e in c.finished.values())
-    assert not loop.healthy and len(dead) == 1
+    assert [rid for rid, _, _ in c.items] in (["x", "y"], ["y", "x"])  # exactly one final each
+    assert not loop.healthy and len(dead) == 1 and loop.engine is None
     with pytest.raises(EngineDeadError):
-        loop.submit("z", llm.engine.input_processor.process([0, 1], SamplingParams()))
+        loop.submit("z", process([0, 1], SamplingParams()))
+    loop.stop()
+    assert not loop.running
+
+
+def test_a_dead_engine_is_rebuilt_and_serves_again(llm):
+    c, dead, up = Collector(), [], []
+    config = llm.engine.config
+    loop = EngineLoop(lambda: LLMEngine(config), c, on_dead=dead.append, on_up=lambda: up.append(1),
+                      engine=llm.engine, backoff_s=0.05)
+    _fail_forward(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    loop.submit("before", llm.engine.input_processor.process([0, 5, 6], params))
+    wait_for(lambda: "before" in c.finished)
+    assert isinstance(c.finished["before"], EngineDeadError)
+    wait_for(lambda: loop.healthy and up, timeout=120)
+    assert loop.restarts == 1 and len(dead) == 1 and loop.engine is not llm.engine
+    loop.submit("after", loop.engine.input_processor.process([0, 5, 6], params))
+    wait_for(lambda: "after" in c.finished, timeout=60)
+    expected = LLM(config.model, dtype="float32", max_model_len=256).generate([[0, 5, 6]], params, use_tqdm=False)
+    assert c.finished["after"].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    engine = loop.engine
+    loop.stop()
+    assert engine.kv.all_free()
+
+
+def test_restart_attempts_are_bounded_and_requests_meanwhile_are_refused(llm):
+    c, attempts = Collector(), []
+
+    def failing_build():
+        attempts.append(1)
+        raise RuntimeError("still broken")
+
+    loop = EngineLoop(failing_build, c, engine=llm.engine, max_restarts=3, backoff_s=0.02)
+    _fail_forward(llm.engine)
+    loop.submit("x", llm.engine.input_processor.process([0, 5], SamplingParams(max_tokens=4)))
+    wait_for(lambda: "x" in c.finished)
+    wait_for(lambda: len(attempts) == 3)
+    with pytest.raises(EngineDeadError, match="still|simulated"):
+        loop.submit("y", llm.engine.input_processor.process([0, 5], SamplingParams(max_tokens=4)))
+    loop.stop()
+    assert len(attempts) == 3 and loop.restarts == 0

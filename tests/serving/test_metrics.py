@@ -13,18 +13,14 @@ import triton_server
 from pagedllm import LLM, SamplingParams
 from pagedllm_client import PagedLLMClient
 from pagedllm_client.client import ServerError
-from test_serving import _grpc_inputs, grpc_call
+from serving_client import grpc_call, grpc_inputs
 
 pytestmark = pytest.mark.server
 
 ENGINE = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 64 << 20}
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    s = triton_server.start(tmp_path_factory.mktemp("metrics"), llama_dir, ENGINE)
-    yield s
-    triton_server.stop(s)
+server = triton_server.server_fixture(ENGINE)
 
 
 def test_exact_counts_after_a_known_set_of_requests(server, llama_dir):
@@ -108,7 +104,7 @@ def test_metrics_off_exports_none_of_ours(llama_dir, tmp_path):
     off = 'parameters { key: "enable_metrics", value: { string_value: "false" } }\n'
     s = triton_server.start(tmp_path, llama_dir, ENGINE, config_overrides=off)
     try:
-        text, err = grpc_call(s, _grpc_inputs("def f():", json.dumps({"max_tokens": 5}), stream=True,
+        text, err = grpc_call(s, grpc_inputs("def f():", json.dumps({"max_tokens": 5}), stream=True,
                                               ignore_eos=(np.array([True]), "BOOL")))
         assert err is None and text
         assert s.scrape() == {}

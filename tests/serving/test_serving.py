@@ -1,12 +1,11 @@
 """End to end through a real tritonserver over loopback: gRPC streaming, HTTP generate and
-generate_stream, concurrency, cancellation, bad input, genai-perf payloads."""
+generate_stream, concurrency, cancellation, genai-perf payloads (bad input: tests/reliability)."""
 
 from __future__ import annotations
 
 import json
 import queue
 import threading
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -17,6 +16,7 @@ import triton_server
 from pagedllm import LLM, SamplingParams
 from pagedllm_client import PagedLLMClient
 from pagedllm_client.client import ServerError
+from serving_client import grpc_call, grpc_inputs, post
 
 pytestmark = pytest.mark.server
 
@@ -24,11 +24,7 @@ ENGINE = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n", "naïve café 東京", "class Foo(object):"]
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    s = triton_server.start(tmp_path_factory.mktemp("triton"), llama_dir, ENGINE)
-    yield s
-    triton_server.stop(s)
+server = triton_server.server_fixture(ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -57,25 +53,15 @@ def test_streams_equal_offline_outputs(server, offline, protocol, params):
         assert len(got.chunks) > 1
 
 
-def _post(server, path, payload):
-    req = urllib.request.Request(f"http://{server.http_url}/v2/models/pagedllm/{path}",
-                                 data=json.dumps(payload).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def test_http_generate_returns_one_response_with_the_prompt_unless_excluded(server, offline):
     expected = offline_text(offline, PROMPTS[0], temperature=0, max_tokens=12, logprobs=2)
     sp = json.dumps({"temperature": 0, "max_tokens": 12})
-    status, body = _post(server, "generate", {"text_input": PROMPTS[0], "sampling_parameters": sp})
+    status, body = post(server, "generate", {"text_input": PROMPTS[0], "sampling_parameters": sp})
     assert status == 200
     out = json.loads(body)
     assert out["text_output"] == PROMPTS[0] + expected.text
     assert "finish_reason" not in out and "num_output_tokens" not in out  # only when asked for
-    status, body = _post(server, "generate", {
+    status, body = post(server, "generate", {
         "text_input": PROMPTS[0], "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 12,
                                                                      "logprobs": 2}),
         "exclude_input_in_output": True, "return_finish_reason": True, "return_cumulative_logprob": True,
@@ -117,7 +103,7 @@ def test_grpc_cancellation_frees_blocks_and_stops_generating(server):
     got = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer("pagedllm", _grpc_inputs("def main():", {"max_tokens": 1000, "ignore_eos": True,
+    client.async_stream_infer("pagedllm", grpc_inputs("def main():", {"max_tokens": 1000, "ignore_eos": True,
                                                                         "temperature": 0}, stream=True))
     for _ in range(3):  # generation is under way
         res, err = got.get(timeout=60)
@@ -149,120 +135,7 @@ def _settled_after(server, m, tokens_before) -> bool:
     return m["pagedllm:generation_tokens_total"] - tokens_before >= 3 and server.all_blocks_free(m)
 
 
-def _grpc_inputs(prompt, sampling: dict | None = None, stream: bool = False, **extra):
-    inputs = []
-
-    def add(name, arr, dtype):
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
-
-    if prompt is not None:
-        add("text_input", np.array([prompt.encode() if isinstance(prompt, str) else prompt], dtype=np.object_),
-            "BYTES")
-    add("stream", np.array([stream]), "BOOL")
-    if sampling is not None:
-        raw = sampling if isinstance(sampling, (str, bytes)) else json.dumps(sampling)
-        add("sampling_parameters", np.array([raw.encode() if isinstance(raw, str) else raw], dtype=np.object_),
-            "BYTES")
-    for name, (arr, dtype) in extra.items():
-        add(name, arr, dtype)
-    return inputs
-
-
-def grpc_call(server, inputs, outputs=()):
-    """One request over a gRPC stream: (concatenated text, error or None), plus {name: last value} of the
-    named extra outputs when `outputs` is given."""
-    got = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer("pagedllm", inputs, enable_empty_final_response=True)
-    text, extra = "", {}
-
-    def result(err):
-        return (text, err, extra) if outputs else (text, err)
-
-    try:
-        while True:
-            res, err = got.get(timeout=60)
-            if err is not None:
-                return result(str(err))
-            out = res.as_numpy("text_output")
-            if out is not None:
-                text += out[0].decode()
-            for name in outputs:
-                value = res.as_numpy(name)
-                if value is not None:
-                    extra[name] = value[0].decode() if isinstance(value[0], bytes) else value[0]
-            final = res.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return result(None)
-    finally:
-        client.stop_stream()
-        client.close()
-
-
-I32, F32, U64 = np.int32, np.float32, np.uint64
-BAD_INPUTS = [
-    ("missing text_input", None, {"max_tokens": 4}, {}, "text_input"),
-    ("empty prompt", "", {"max_tokens": 4}, {}, "text_input: is empty"),
-    ("non-UTF-8 prompt", b"\xff\xfe\xfa", None, {}, "UTF-8"),
-    ("malformed JSON", "hi", "{max_tokens: 4", {}, "not valid JSON"),
-    ("JSON not an object", "hi", "[1, 2]", {}, "JSON object"),
-    ("unknown parameter", "hi", {"max_tokenz": 4}, {}, "unknown parameter 'max_tokenz'"),
-    ("ill-typed parameter", "hi", {"max_tokens": "many"}, {}, "max_tokens"),
-    ("fractional max_tokens", "hi", {"max_tokens": 2.5}, {}, "max_tokens"),
-    ("max_tokens zero", "hi", {"max_tokens": 0}, {}, "max_tokens"),
-    ("max_tokens negative", "hi", {"max_tokens": -5}, {}, "max_tokens"),
-    ("negative temperature", "hi", {"temperature": -1}, {}, "temperature"),
-    ("top_p out of range", "hi", {"top_p": 1.5}, {}, "top_p"),
-    ("top_k negative", "hi", {"top_k": -3}, {}, "top_k"),
-    ("min_p out of range", "hi", {"min_p": 3}, {}, "min_p"),
-    ("min_tokens above max_tokens", "hi", {"max_tokens": 2, "min_tokens": 5}, {}, "min_tokens"),
-    ("logprobs too many", "hi", {"logprobs": 1000}, {}, "logprobs"),
-    ("bad stop type", "hi", {"stop": [3]}, {}, "stop"),
-    ("n > 1", "hi", {"n": 3}, {}, "n:"),
-    ("prompt longer than max_model_len", "x " * 3000, {"max_tokens": 4}, {}, "max_model_len"),
-    ("tensor max_tokens zero", "hi", None, {"max_tokens": (np.array([0], dtype=I32), "INT32")}, "max_tokens"),
-    ("tensor temperature negative", "hi", None, {"temperature": (np.array([-2.0], dtype=F32), "FP32")},
-     "temperature"),
-    ("beam search", "hi", None, {"beam_width": (np.array([4], dtype=I32), "INT32")}, "beam_width"),
-    ("bad_words unsupported", "hi", None, {"bad_words": (np.array([b"x"], dtype=np.object_), "BYTES")},
-     "bad_words"),
-    ("timeout not positive", "hi", None, {"timeout": (np.array([0.0], dtype=F32), "FP32")}, "timeout"),
-]
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_over_grpc_gets_a_clear_error(server, case):
-    _, prompt, sampling, extra, message = case
-    text, err = grpc_call(server, _grpc_inputs(prompt, sampling, **extra))
-    assert err is not None and message in err, err
-    good, err = grpc_call(server, _grpc_inputs("def f():", {"max_tokens": 3, "temperature": 0}))
-    assert err is None and good
-
-
-HTTP_BAD = [
-    ("missing text_input", {"sampling_parameters": "{}"}, "text_input"),
-    ("malformed JSON", {"text_input": "hi", "sampling_parameters": "{oops"}, "not valid JSON"),
-    ("unknown parameter", {"text_input": "hi", "sampling_parameters": '{"foo": 1}'}, "unknown parameter"),
-    ("max_tokens zero", {"text_input": "hi", "sampling_parameters": '{"max_tokens": "0"}'}, "max_tokens"),
-    ("empty prompt", {"text_input": ""}, "empty"),
-    ("too long", {"text_input": "x " * 3000}, "max_model_len"),
-    ("ill-typed tensor", {"text_input": "hi", "max_tokens": "ten"}, ""),
-    ("unknown request parameter", {"text_input": "hi", "frobnicate": 1}, "unknown parameter 'frobnicate'"),
-]
-
-
-@pytest.mark.parametrize("case", HTTP_BAD, ids=[c[0] for c in HTTP_BAD])
-@pytest.mark.parametrize("path", ["generate", "generate_stream"])
-def test_bad_input_over_http_gets_a_clear_error(server, case, path):
-    _, payload, message = case
-    status, body = _post(server, path, payload)
-    assert status >= 400 or '"error"' in body, body
-    assert message in body
-    status, body = _post(server, "generate", {"text_input": "x", "sampling_parameters": '{"max_tokens": 2}'})
-    assert status == 200
+I32, F32 = np.int32, np.float32
 
 
 def test_no_block_leaks_after_errors(server):
@@ -272,21 +145,21 @@ def test_no_block_leaks_after_errors(server):
 def test_genai_perf_vllm_backend_payload(server):
     """What genai-perf --backend vllm sends: string-valued sampling_parameters, exclude_input_in_output."""
     sp = json.dumps({"max_tokens": "16", "min_tokens": "16"})
-    text, err = grpc_call(server, _grpc_inputs("def main():", sp, stream=True, exclude_input_in_output=(
+    text, err = grpc_call(server, grpc_inputs("def main():", sp, stream=True, exclude_input_in_output=(
         np.array([True]), "BOOL")))
     assert err is None and text
 
 
 def test_genai_perf_tensorrtllm_payload(server, offline):
     """What genai-perf --backend tensorrtllm sends: text_input, max_tokens, min_length, stream."""
-    inputs = _grpc_inputs("def main():", None, stream=True,
+    inputs = grpc_inputs("def main():", None, stream=True,
                           max_tokens=(np.array([16], dtype=I32), "INT32"),
                           min_length=(np.array([16], dtype=I32), "INT32"))
     text, err = grpc_call(server, inputs)
     assert err is None
     # TensorRT-LLM's default sampling (temperature 1) is random, so check the length through the client.
     assert text
-    exclude = _grpc_inputs("def main():", None, stream=False, max_tokens=(np.array([8], dtype=I32), "INT32"),
+    exclude = grpc_inputs("def main():", None, stream=False, max_tokens=(np.array([8], dtype=I32), "INT32"),
                            temperature=(np.array([0.0], dtype=F32), "FP32"),
                            exclude_input_in_output=(np.array([True]), "BOOL"))
     text, err = grpc_call(server, exclude)
@@ -296,7 +169,7 @@ def test_genai_perf_tensorrtllm_payload(server, offline):
 def test_stop_words_tensor_and_client_cli(server, offline, capsys):
     full = offline_text(offline, PROMPTS[1], temperature=0, max_tokens=30, ignore_eos=True).text
     stop = full[8:11]
-    inputs = _grpc_inputs(PROMPTS[1], {"temperature": 0, "max_tokens": 30, "ignore_eos": True}, stream=True,
+    inputs = grpc_inputs(PROMPTS[1], {"temperature": 0, "max_tokens": 30, "ignore_eos": True}, stream=True,
                           stop_words=(np.array([stop.encode()], dtype=np.object_), "BYTES"))
     text, err = grpc_call(server, inputs)
     assert err is None and text == full[:full.find(stop)]

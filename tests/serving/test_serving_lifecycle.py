@@ -20,8 +20,7 @@ ENGINE = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory_bytes": 64
 
 
 def test_unload_with_requests_in_flight_then_reload(llama_dir, tmp_path):
-    server = triton_server.start(tmp_path, llama_dir, ENGINE,
-                                 extra_args=["--model-control-mode=explicit", "--load-model=pagedllm"])
+    server = triton_server.start(tmp_path, llama_dir, ENGINE)
     try:
         outcomes: dict[int, object] = {}
         started = threading.Barrier(5)
@@ -62,7 +61,7 @@ def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path
 
     import numpy as np
 
-    from test_serving import _grpc_inputs, grpc_call
+    from serving_client import grpc_call, grpc_inputs
 
     engine = dict(ENGINE, max_num_seqs=1, max_queue_size=1, scheduling_policy="priority")
     server = triton_server.start(tmp_path, llama_dir, engine)
@@ -72,7 +71,7 @@ def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path
         results = {}
 
         def queued_with_deadline():
-            inputs = _grpc_inputs("import os", {"max_tokens": 5}, stream=False,
+            inputs = grpc_inputs("import os", {"max_tokens": 5}, stream=False,
                                   timeout=(np.array([1.0], dtype=np.float32), "FP32"),
                                   priority=(np.array([3], dtype=np.int32), "INT32"),
                                   return_finish_reason=(np.array([True]), "BOOL"))
@@ -81,7 +80,7 @@ def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path
         b = threading.Thread(target=queued_with_deadline)
         b.start()
         server.wait_metrics(lambda m: m.get("pagedllm:num_requests_waiting") == 1)
-        text, err = grpc_call(server, _grpc_inputs("x", json.dumps({"max_tokens": 3})))
+        text, err = grpc_call(server, grpc_inputs("x", json.dumps({"max_tokens": 3})))
         assert err is not None and "overloaded" in err  # C: the queue (max_queue_size=1) holds B
         b.join(timeout=60)
         (text, err, extra) = results["b"]

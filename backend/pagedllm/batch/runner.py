@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from pagedllm.batch.files import ResultWriter, read_rows
 from pagedllm.llm import LLM
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -61,6 +61,7 @@ def run_batch(llm: LLM, input_path: str, output_path: str, defaults: SamplingPar
                 summary.requests += 1
                 try:
                     prompt, params = _row_request(row, prompt_field, defaults)
+                    params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                     in_flight[engine.add_request(prompt, params)] = row_id
                 except (ValueError, TypeError) as e:
                     summary.errors += 1
@@ -72,6 +73,10 @@ def run_batch(llm: LLM, input_path: str, output_path: str, defaults: SamplingPar
                     continue
                 row_id = in_flight.pop(out.request_id)
                 c = out.outputs[0]
+                if out.error is not None:  # this row failed alone: an error record, the others go on
+                    summary.errors += 1
+                    writer.write({"id": row_id, "error": out.error})
+                    continue
                 writer.write({"id": row_id, "text": c.text, "num_prompt_tokens": len(out.prompt_token_ids),
                               "num_output_tokens": len(c.token_ids), "finish_reason": c.finish_reason})
                 summary.output_tokens += len(c.token_ids)

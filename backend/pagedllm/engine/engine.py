@@ -2,6 +2,11 @@
 
 `add_request` queues a processed request; each `step` reads as its verbs: propose drafts -> schedule ->
 execute -> sample -> update progress -> process outputs. Finished requests free their blocks in the same step.
+
+Fault isolation: a failure that belongs to one request (its draft proposal, sampling or logits processing, its
+verification, its detokenization and stop checks) finishes that request alone, with finish_reason "error" and
+the message; its blocks go back and the step goes on for the others. Only a failure of the shared machinery
+(the forward pass, the KV pool, a tensor-parallel worker) escapes `step`: the engine is then dead.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from transformers import AutoTokenizer
 from pagedllm.attention.selector import ProbeShape, select_backend
 from pagedllm.config import EngineConfig
 from pagedllm.engine.executor import make_executor
+from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.kv_sizing import KVGeometry, check_room_for_one_request
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.request import Request
+from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import SampledToken, Sampler
 from pagedllm.engine.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.spec_decode.registry import make_proposer
@@ -43,7 +49,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, info)
+        self.input_processor = InputProcessor(self.tokenizer, info, config.limits)
         self.executor = make_executor(config, info)
         try:
             num_blocks = self._init_cache()
@@ -62,6 +68,7 @@ class LLMEngine:
         self.observations: Observations | None = None
         self.spec_stats = SpecDecodeStats()
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
+        self.faults = FaultInjector(config.fault_injection) if config.fault_injection is not None else None
         logger.info("engine ready: %s, %s on %s, tensor parallel %d, %d KV blocks of %d tokens, max_model_len "
                     "%d", info.architecture, info.dtype, info.device, config.tensor_parallel_size, num_blocks - 1,
                     config.cache.block_size, info.max_model_len)
@@ -138,10 +145,9 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.proposer is not None:
-            self._propose_drafts()
+        outputs = self._propose_drafts() if self.proposer is not None else []
         sched = self.scheduler.schedule()
-        outputs = [self._finish(r) for r in sched.timed_out]
+        outputs += [self._finish(r) for r in sched.timed_out]
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.get_stats)
         if sched.is_empty():
@@ -152,22 +158,38 @@ class LLMEngine:
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
         step, sampling_rows = prepare_step(sched, self.kv, self.config.cache.block_size)
+        if self.faults is not None:
+            self.faults.check("forward", [s.request for s in sched.scheduled])
         logits = self.executor.execute_step(step)
-        emitted = self._sample(logits, sampling_rows) if sampling_rows else {}
+        emitted = self._sample(logits, sampling_rows, outputs) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
         self._record_token_times(got)
         for req in got:
             tokens = emitted[req.request_id]
             before = req.num_output_tokens - len(tokens)
-            status = self.output_processor.process_tokens(req, tokens)
+            try:
+                if self.faults is not None:
+                    self.faults.check("detokenize", [req])
+                status = self.output_processor.process_tokens(req, tokens)
+                out = self.output_processor.output(req) if status is None else None
+            except Exception as e:
+                outputs.append(self._fail_request(req, e))
+                continue
             self.generation_tokens += req.num_output_tokens - before
             if status is not None:
                 self.scheduler.finish_request(req, status)
                 outputs.append(self._finish(req))
-            elif (out := self.output_processor.output(req)) is not None:
+            elif out is not None:
                 outputs.append(out)
         return outputs
+
+    def _fail_request(self, req: Request, err: Exception) -> RequestOutput:
+        """Finish `req` alone after a failure of its own; the step goes on for the others."""
+        req.error = f"{type(err).__name__}: {err}"
+        logger.warning("request %s failed (the others go on): %s", req.request_id, req.error, exc_info=err)
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        return self._finish(req)
 
     def _record_token_times(self, reqs: list[Request]) -> None:
         now = time.monotonic()
@@ -179,8 +201,10 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> dict[str, list[SampledToken]]:
-        """Tokens emitted per request: one from the sampler, or from verifying a request's draft tokens."""
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest],
+                 outputs: list[RequestOutput]) -> dict[str, list[SampledToken]]:
+        """Tokens emitted per request: one from the sampler, or from verifying a request's draft tokens. A
+        request whose sampling or verification fails is finished with an error (its output joins `outputs`)."""
         starts, at = [], 0
         for s in rows:
             starts.append(at)
@@ -190,22 +214,48 @@ class LLMEngine:
         if plain:
             # Without drafts every row is one plain row, in order: no copy of the logits.
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
-            tokens = self.sampler(picked, [rows[i].request for i in plain])
-            out.update({rows[i].request.request_id: [t] for i, t in zip(plain, tokens)})
+            for i, token in zip(plain, self._sample_isolated(picked, [rows[i].request for i in plain], outputs)):
+                if token is not None:
+                    out[rows[i].request.request_id] = [token]
         for i, s in enumerate(rows):
             k = len(s.spec_tokens)
             if not k:
                 continue
             probs = s.request.spec_draft_probs
-            ids = verify(logits[starts[i]:starts[i] + k + 1].float().cpu(), s.spec_tokens, s.request,
-                         self.sampler.generator, None if probs is None else probs[:k])
+            try:
+                ids = verify(logits[starts[i]:starts[i] + k + 1].float().cpu(), s.spec_tokens, s.request,
+                             self.sampler.generator, None if probs is None else probs[:k])
+            except Exception as e:
+                outputs.append(self._fail_request(s.request, e))
+                continue
             self.spec_stats.record(k, len(ids) - 1)
             out[s.request.request_id] = [SampledToken(t, None, None, None) for t in ids]
         return out
 
-    def _propose_drafts(self) -> None:
+    def _sample_isolated(self, logits: torch.Tensor, reqs: list[Request],
+                         outputs: list[RequestOutput]) -> list[SampledToken | None]:
+        """The batch's tokens. If the batch fails, each request is sampled alone to find whose failure it was:
+        those requests finish with an error (None in their place), the others keep their tokens."""
+        try:
+            if self.faults is not None:
+                self.faults.check("sample", reqs)
+            return self.sampler(logits, reqs)
+        except Exception:
+            tokens = []
+            for row, req in enumerate(reqs):
+                try:
+                    if self.faults is not None:
+                        self.faults.check("sample", [req])
+                    tokens.append(self.sampler(logits[row:row + 1], [req])[0])
+                except Exception as e:
+                    outputs.append(self._fail_request(req, e))
+                    tokens.append(None)
+            return tokens
+
+    def _propose_drafts(self) -> list[RequestOutput]:
         """Draft tokens for running requests that are decoding and whose outputs verification can cover
-        exactly (no penalties, logprobs or pending min_tokens: those decode one token at a time)."""
+        exactly (no penalties, logprobs or pending min_tokens: those decode one token at a time). Returns the
+        outputs of requests whose proposal failed (each finished with an error)."""
         wanted = []
         for req in self.scheduler.running:
             p = req.sampling_params
@@ -213,13 +263,30 @@ class LLMEngine:
                     or req.num_output_tokens < p.min_tokens):
                 continue
             wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
-        drafts = self.proposer.propose(wanted)
+        failed: list[RequestOutput] = []
+        try:
+            if self.faults is not None:
+                self.faults.check("propose", [r for r, _ in wanted])
+            drafts = self.proposer.propose(wanted)
+        except Exception:
+            # Whose failure was it? Start every request's proposal state afresh and propose for each alone.
+            for req, _ in wanted:
+                self.proposer.drop(req.request_id)
+            drafts = {}
+            for item in wanted:
+                try:
+                    if self.faults is not None:
+                        self.faults.check("propose", [item[0]])
+                    drafts.update(self.proposer.propose([item]))
+                except Exception as e:
+                    failed.append(self._fail_request(item[0], e))
         for req, _ in wanted:
             if req.request_id in drafts:
                 req.spec_token_ids, req.spec_draft_probs = drafts[req.request_id]
+        return failed
 
     def _finish(self, req: Request) -> RequestOutput:
-        """The single exit of every request that was queued: stop, length, abort or timeout."""
+        """The single exit of every request that was queued: stop, length, abort, timeout or error."""
         reason = req.status.finish_reason
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
         if self.proposer is not None:

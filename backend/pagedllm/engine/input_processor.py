@@ -1,5 +1,6 @@
 """Turns what a caller asks for into a validated `ProcessedRequest`: the prompt tokenized (once), every token id
-checked against the vocabulary, the length against the context.
+a request carries checked against the vocabulary, lengths and counts against the context and the request
+limits (`EngineConfig.limits`). Any problem is a ValueError naming the field, raised before anything is queued.
 
 It only reads the model's facts and its own tokenizer, so a front end runs it on its own thread with its own
 tokenizer (the Triton adapter does) and the engine thread never validates the same request again.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.config import RequestLimits
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.sampling_params import SamplingParams
 
@@ -25,9 +27,12 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, info: ModelInfo) -> None:
+    def __init__(self, tokenizer, info: ModelInfo, limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self.limits = limits or RequestLimits()
+        default = info.max_model_len - 1
+        self.max_prompt_tokens = min(default, self.limits.max_prompt_tokens or default)
 
     def process(self, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0,
                 timeout: float | None = None) -> ProcessedRequest:
@@ -35,34 +40,75 @@ class InputProcessor:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and 0 < timeout < float("inf")):
+            raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2 ** 63 <= priority < 2 ** 63:
+            raise ValueError(f"priority: must be a 64-bit integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
         return ProcessedRequest(text, ids, params, priority, timeout)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: the vocabulary and this server's limits."""
+        lim = self.limits
+        if len(params.stop) > lim.max_stop_strings:
+            raise ValueError(f"stop: {len(params.stop)} strings, at most {lim.max_stop_strings} allowed")
+        long = [s for s in params.stop if len(s) > lim.max_stop_string_chars]
+        if long:
+            raise ValueError(f"stop: a string of {len(long[0])} characters, at most {lim.max_stop_string_chars} allowed")
+        if len(params.stop_token_ids) > lim.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids: {len(params.stop_token_ids)} ids, at most {lim.max_stop_token_ids} "
+                             "allowed")
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.logprobs is not None and params.logprobs > lim.max_logprobs:
+            raise ValueError(f"logprobs: {params.logprobs} requested, at most {lim.max_logprobs} allowed")
+
+    def check_token_ids(self, name: str, ids: list[int]) -> None:
+        """Every id in [0, vocab_size): an id outside would index past the embedding or the logits."""
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: {[_short(t) for t in bad[:5]]} not token ids in [0, {vocab})")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", errors="surrogatepass"))
+            if size > self.limits.max_prompt_bytes:
+                raise ValueError(f"prompt: {size} bytes, at most {self.limits.max_prompt_bytes} allowed")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"prompt: expected a string, got {type(text).__name__}")
+                return text, self._id_list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return None, self._id_list(prompt)
         raise ValueError(f"prompt: expected str, dict or list of token ids, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _id_list(ids) -> list[int]:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids: expected a list of token ids, got {type(ids).__name__}")
+        return list(ids)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt: is empty (no tokens)")
-        limit = self.info.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={limit}")
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[:5]} are not token ids in [0, {vocab})")
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"prompt: {len(ids)} tokens, at most {self.max_prompt_tokens} allowed (max_model_len="
+                             f"{self.info.max_model_len} leaves room for one generated token)")
+        self.check_token_ids("prompt_token_ids", ids)
+
+
+def _short(value):
+    """A bad id as it goes into a message: huge integers and long values cut down."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<{value.bit_length()}-bit integer>"
+    text = repr(value)
+    return value if len(text) <= 40 else text[:37] + "..."

@@ -19,7 +19,8 @@ class ModelRunner:
         self.device = device
         geo = KVGeometry.of(model)
         shape = (2, num_blocks, block_size, geo.num_kv_heads, geo.head_dim)
-        # torch.zeros maps fresh pages lazily: untouched blocks cost no resident memory on CPU.
+        # torch.zeros writes every page: the whole budget is resident from the start (measured), so memory does
+        # not grow as blocks come into use.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geo.num_layers)]
 
     @torch.inference_mode()

@@ -88,7 +88,7 @@ class RequestState:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                  req.last_token_time, req.finished_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, metrics)
+                             req.num_cached_tokens, metrics, req.error)
 
 
 class OutputProcessor:
@@ -122,5 +122,13 @@ class OutputProcessor:
         return self.states[req.request_id].output()
 
     def finish(self, req: Request) -> RequestOutput:
-        """The final output of a finished request (stopped, aborted, timed out); its state is dropped."""
-        return self.states.pop(req.request_id).output()
+        """The final output of a finished request (stopped, aborted, timed out, failed); its state is dropped.
+        If building it fails (its text, say), the request still ends: with an error and no text."""
+        state = self.states.pop(req.request_id)
+        try:
+            return state.output()
+        except Exception as e:
+            req.error = req.error or f"{type(e).__name__}: {e}"
+            completion = CompletionOutput(0, "", list(req.output_token_ids), None, None, "error", None)
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
+                                 req.num_cached_tokens, None, req.error)

@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_TIMEOUT = 6
+    FINISHED_ERROR = 7  # a failure that belongs to this request alone (Request.error says what)
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +42,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_TIMEOUT: "timeout",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 _FINISHED = {s for s in RequestStatus if s.is_finished}
@@ -81,6 +83,7 @@ class Request:
         self.max_tokens = max_tokens  # effective limit: params.max_tokens capped by the context
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

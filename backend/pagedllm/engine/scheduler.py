@@ -204,6 +204,8 @@ class Scheduler:
         got_token = []
         for s in out.scheduled:
             req = s.request
+            if req.is_finished:  # failed alone during this step (its sampling, say): nothing to advance
+                continue
             tokens = sampled[req.request_id] if s.samples else []
             # Valid KV this step: the non-draft tokens, plus the drafts that were accepted.
             req.num_computed_tokens += s.num_tokens - len(s.spec_tokens) + max(0, len(tokens) - 1)

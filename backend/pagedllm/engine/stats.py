@@ -3,7 +3,7 @@ component fills its own fields (Scheduler.stats, KVCacheManager.stats, SpecDecod
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,6 +27,3 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft i
     kernels: dict[str, bool] = field(default_factory=dict)  # the CPU kernel switches (EngineConfig)
-
-    def as_dict(self) -> dict:
-        return asdict(self)

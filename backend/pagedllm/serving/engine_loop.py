@@ -2,7 +2,12 @@
 
 The loop: apply queued adds/aborts, run one engine step, hand every output to `on_output`. `on_output` runs on
 the engine thread, so it must only enqueue (the Triton adapter's response thread does the sending).
-If a step raises, the engine is declared dead: every in-flight request gets the error and the loop ends.
+
+If a step raises, the shared machinery failed (per-request failures never leave `step`): every in-flight
+request gets exactly one error, the engine is shut down, and `on_dead` is told. Unless `on_dead` takes over
+the recovery (returns True), the loop rebuilds the engine with `make_engine`: up to `max_restarts` attempts in
+a row, waiting `backoff_s`, then twice that, and so on, before each. While it is down every new request is
+refused at once (EngineDeadError); once it is back, `on_up` is told and serving resumes.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -27,13 +33,19 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_output: OnOutput,
-                 on_dead: Callable[[Exception], None] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], LLMEngine], on_output: OnOutput,
+                 on_dead: Callable[[Exception], bool] | None = None, on_up: Callable[[], None] | None = None,
+                 max_restarts: int = 3, backoff_s: float = 1.0, engine: LLMEngine | None = None) -> None:
+        """`engine`: one already built (else `make_engine` builds the first one, on the caller's thread)."""
+        self.make_engine = make_engine
         self.on_output = on_output
-        self.on_dead = on_dead  # called once, after in-flight requests got their errors
+        self.on_dead = on_dead  # called once per death, after in-flight requests got their errors
+        self.on_up = on_up  # called after each successful restart
+        self.max_restarts, self.backoff_s = max_restarts, backoff_s
+        self.engine: LLMEngine | None = engine if engine is not None else make_engine()
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: Exception | None = None
+        self.error: Exception | None = None  # why the engine is down (None while it serves)
+        self.restarts = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -57,30 +69,36 @@ class EngineLoop:
         self.commands.put(("abort", request_id))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight (each gets a final "abort" output) and join the thread."""
+        """Abort everything in flight (each gets a final "abort" output), shut the engine down, join the
+        thread."""
         self.commands.put(("stop",))
         self._thread.join(timeout)
 
     # --- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            while not self._stopping:
-                idle = not self.engine.has_unfinished_requests()
-                self._apply_commands(block=idle)
-                if self._stopping:
-                    break
-                if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self.on_output(out.request_id, out, None)
-        except Exception as e:  # a step failed: the engine state can no longer be trusted
-            logger.error("engine loop died: %s", traceback.format_exc())
-            self.error = e
-            self._fail_all(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
-            if self.on_dead is not None:
-                self.on_dead(e)
-            return
-        for rid in list(self.engine.scheduler.requests):
-            self.on_output(rid, self.engine.abort_request(rid), None)
+        while not self._stopping:
+            try:
+                self._serve()
+            except Exception as e:  # a step failed: the engine's state can no longer be trusted
+                logger.error("engine died: %s", traceback.format_exc())
+                self._go_down(e)
+                if self.on_dead is not None and self.on_dead(e):
+                    self._refuse_until_stopped()
+                elif not self._restart():
+                    logger.error("engine not restarted after %d attempts; refusing requests", self.max_restarts)
+                    self._refuse_until_stopped()
+        if self.engine is not None:
+            for rid in list(self.engine.scheduler.requests):
+                self.on_output(rid, self.engine.abort_request(rid), None)
+            self.engine.shutdown()
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._apply_commands(block=not engine.has_unfinished_requests())
+            if not self._stopping and engine.has_unfinished_requests():
+                for out in engine.step():
+                    self.on_output(out.request_id, out, None)
 
     def _apply_commands(self, block: bool) -> None:
         while True:
@@ -103,13 +121,56 @@ class EngineLoop:
             elif kind == "stop":
                 self._stopping = True
 
-    def _fail_all(self, err: Exception) -> None:
-        for rid in list(self.engine.scheduler.requests):
-            self.on_output(rid, None, err)
-        while True:  # requests still queued as commands
+    def _go_down(self, err: Exception) -> None:
+        """Every in-flight request gets one error; the dead engine is shut down and dropped."""
+        self.error = err
+        dead = EngineDeadError(f"engine failed: {type(err).__name__}: {err}")
+        engine, self.engine = self.engine, None
+        for rid in list(engine.scheduler.requests):
+            self.on_output(rid, None, dead)
+        self._drain_commands(dead, timeout=0)
+        try:
+            engine.shutdown()
+        except Exception:
+            logger.exception("shutting the dead engine down failed")
+
+    def _restart(self) -> bool:
+        for attempt in range(self.max_restarts):
+            wait = self.backoff_s * 2 ** attempt
+            logger.warning("restarting the engine in %.1f s (attempt %d of %d)", wait, attempt + 1, self.max_restarts)
+            deadline = time.monotonic() + wait
+            while not self._stopping and time.monotonic() < deadline:
+                self._drain_commands(EngineDeadError("engine is restarting"), timeout=deadline - time.monotonic())
+            if self._stopping:
+                return True
             try:
-                cmd = self.commands.get_nowait()
+                self.engine = self.make_engine()
+            except Exception:
+                logger.error("engine restart failed: %s", traceback.format_exc())
+                continue
+            self.restarts += 1
+            self.error = None
+            logger.warning("engine restarted (%d restarts so far)", self.restarts)
+            if self.on_up is not None:
+                self.on_up()
+            return True
+        return False
+
+    def _refuse_until_stopped(self) -> None:
+        while not self._stopping:
+            self._drain_commands(EngineDeadError(f"engine is not running: {self.error}"), timeout=0.5)
+
+    def _drain_commands(self, err: Exception, timeout: float) -> None:
+        """While there is no engine: every queued add gets `err`, aborts have nothing to do, stop stops."""
+        block = timeout > 0
+        while True:
+            try:
+                cmd = self.commands.get(timeout=max(timeout, 0.001)) if block else self.commands.get_nowait()
             except queue.Empty:
-                break
+                return
+            block = False
             if cmd[0] == "add":
                 self.on_output(cmd[1], None, err)
+            elif cmd[0] == "stop":
+                self._stopping = True
+                return

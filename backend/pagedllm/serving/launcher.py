@@ -4,6 +4,13 @@ The tritonserver binary and its Python backend come from the `nvidia-pytriton` w
 links the system libpython3.11 and takes its packages from the virtual environment whose `python3` is first
 on PATH, so the server is started with this interpreter's venv first on PATH, and with cwd `/` (the stub puts
 '' first on sys.path, so a cwd inside a model directory could shadow model.py).
+
+The server runs under explicit model control (the model is loaded by name at start), so that a model whose
+engine died can report NOT READY while it reloads itself. Every port listens on 127.0.0.1 unless `--host`
+says otherwise. tritonserver leads a process group of its own, which its Python-backend stubs and their
+tensor-parallel workers join: SIGTERM or SIGINT to `pagedllm serve` makes tritonserver drain what is in
+flight (up to `--drain-timeout` seconds, its exit timeout) and unload the model; a second signal, or the end
+of the drain, kills the whole group, so nothing the server started outlives it.
 """
 
 from __future__ import annotations
@@ -103,12 +110,15 @@ def server_env(install: TritonInstall) -> dict:
 
 
 def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, metrics_port: int,
-                 log_path: Path | None = None, extra_args: list[str] = ()) -> subprocess.Popen:
+                 log_path: Path | None = None, extra_args: list[str] = (), host: str = "127.0.0.1",
+                 explicit_model_control: bool = True) -> subprocess.Popen:
+    """tritonserver in a new process group (its stubs and their workers join it), listening on `host`."""
     install = find_triton()
+    control = ["--model-control-mode=explicit", "--load-model=pagedllm"] if explicit_model_control else []
     cmd = [str(install.binary), f"--model-repository={repo}", f"--backend-directory={backends}",
            f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
-           "--allow-metrics=true", "--allow-gpu-metrics=false", "--http-address=127.0.0.1",
-           "--grpc-address=127.0.0.1", *extra_args]
+           "--allow-metrics=true", "--allow-gpu-metrics=false", f"--http-address={host}",
+           f"--grpc-address={host}", f"--metrics-address={host}", *control, *extra_args]
     out = open(log_path, "ab") if log_path else None
     return subprocess.Popen(cmd, cwd="/", env=server_env(install), stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -131,13 +141,24 @@ def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, m
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM to tritonserver (it drains and unloads its models), then whatever is left of its group is killed.
+    The signal goes to tritonserver alone: its stubs must stay up to finalize their models."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL every process left in tritonserver's group (stubs, tensor-parallel workers), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing left
+    proc.wait()
 
 
 @dataclass
@@ -150,14 +171,17 @@ class Launched:
 
 
 def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
-                         config_overrides: str = "", exit_timeout_s: int = 10) -> Launched:
+                         config_overrides: str = "", exit_timeout_s: int = 10,
+                         explicit_model_control: bool = True) -> Launched:
     """Lay out workdir, start a server on free loopback ports, wait until the model is ready (tests, perf).
     A short exit timeout keeps a client connection left open from holding shutdown for Triton's 30 s."""
-    repo = prepare_model_repository(workdir / "repo", model_dir, engine_overrides, config_overrides=config_overrides)
+    restart = {"engine_restart": "reload" if explicit_model_control else "in_process"}
+    repo = prepare_model_repository(workdir / "repo", model_dir, {**restart, **engine_overrides},
+                                    config_overrides=config_overrides)
     backends = prepare_backends(workdir / "backends")
     ports = [free_port() for _ in range(3)]
     log = workdir / "tritonserver.log"
-    proc = start_server(repo, backends, *ports, log_path=log,
+    proc = start_server(repo, backends, *ports, log_path=log, explicit_model_control=explicit_model_control,
                         extra_args=[f"--exit-timeout-secs={exit_timeout_s}", *extra_args])
     try:
         wait_ready(ports[0], proc, model="pagedllm")
@@ -174,6 +198,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface)")
+    p.add_argument("--drain-timeout", type=int, default=30, metavar="S",
+                   help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="override an engine.json entry, e.g. --engine-arg dtype='\"bfloat16\"'")
 
@@ -191,24 +219,50 @@ def _parse_overrides(items: list[str]) -> dict:
 
 def serve(args) -> int:
     model = args.model or str(ensure_default_model())
-    work = Path(args.workdir)
-    repo = prepare_model_repository(work / "model_repository", model, _parse_overrides(args.engine_arg))
+    work = Path(args.workdir).resolve()  # tritonserver runs from / (see the module's docstring)
+    # Under explicit model control a model whose engine died can unload itself (NOT READY) and load again.
+    overrides = {"engine_restart": "reload", **_parse_overrides(args.engine_arg)}
+    repo = prepare_model_repository(work / "model_repository", model, overrides)
     backends = prepare_backends(work / "backends")
-    proc = start_server(repo, backends, args.http_port, args.grpc_port, args.metrics_port)
+    proc = start_server(repo, backends, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
+                        extra_args=[f"--exit-timeout-secs={args.drain_timeout}"])
+    signals: list[float] = []  # when each SIGTERM/SIGINT came
+
+    def on_signal(signum, frame) -> None:
+        signals.append(time.monotonic())
+        if len(signals) == 1:
+            print(f"{signal.Signals(signum).name}: draining in-flight requests for up to {args.drain_timeout} s "
+                  "(a second signal stops everything at once)", flush=True)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        else:
+            kill_group(proc)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         wait_ready(args.http_port, proc, model="pagedllm")
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         print(f"""
 pagedllm is serving {model}
-  HTTP    http://127.0.0.1:{args.http_port}   (POST /v2/models/pagedllm/generate and /generate_stream)
-  gRPC    127.0.0.1:{args.grpc_port}          (streaming)
-  metrics http://127.0.0.1:{args.metrics_port}/metrics
+  HTTP    http://{local}:{args.http_port}   (POST /v2/models/pagedllm/generate and /generate_stream)
+  gRPC    {local}:{args.grpc_port}          (streaming)
+  metrics http://{local}:{args.metrics_port}/metrics
 Try:
-  curl -s -X POST localhost:{args.http_port}/v2/models/pagedllm/generate \\
+  curl -s -X POST {local}:{args.http_port}/v2/models/pagedllm/generate \\
        -d '{{"text_input": "def main():", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
-  .venv/bin/pagedllm-client generate "def main():" --stream --max-tokens 32 --url 127.0.0.1:{args.grpc_port}
+  .venv/bin/pagedllm-client generate "def main():" --stream --max-tokens 32 --url {local}:{args.grpc_port}
 """, flush=True)
-        return proc.wait()
-    except KeyboardInterrupt:
-        return 0
+        # tritonserver ends by itself: drained after a signal (its exit timeout is the drain timeout), or not.
+        while proc.poll() is None:
+            if signals and time.monotonic() - signals[0] > args.drain_timeout + 30:
+                break  # it overstayed its own exit timeout
+            time.sleep(0.2)
+        return 0 if signals else proc.returncode
+    except Exception:
+        if signals:  # the signal came during start-up
+            return 0
+        raise
     finally:
-        stop_server(proc)
+        kill_group(proc)  # whatever it left: stubs, tensor-parallel workers
+        for s, handler in previous.items():
+            signal.signal(s, handler)

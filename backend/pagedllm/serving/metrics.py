@@ -1,11 +1,14 @@
 """Engine metrics on Triton's metrics port, named like vLLM's with a `pagedllm:` prefix.
 
 A thread of its own publishes every 100 ms: gauges and counters from the engine's stats snapshot, histogram
-observations drained from the engine's queue. The engine loop never waits on a metric call.
+observations drained from the engine's queue. The engine loop never waits on a metric call. The engine may be
+replaced (a restart after a failure) or absent meanwhile: counters carry on from where the previous engine
+left them, and while there is none the gauges read empty.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -35,6 +38,7 @@ ADAPTER_COUNTERS = {
     "requests_rejected": "Requests answered with an error before running (bad input, overloaded)",
     "requests_cancelled": "Requests cancelled by their client",
     "requests_timed_out": "Requests finished by their deadline",
+    "engine_restarts": "Times the engine was rebuilt after a failure of the shared machinery",
 }
 _LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
             40.0, 80.0]
@@ -52,18 +56,21 @@ HISTOGRAMS = {
     obs.GENERATION_TOKENS: ("Generated tokens of finished requests", _TOKENS),
     obs.ITERATION_TOKENS: ("Tokens computed per engine step", _TOKENS),
 }
-FINISH_REASONS = ("stop", "length", "abort", "timeout")
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 logger = logging.getLogger(__name__)
 
 
 class MetricsPublisher:
-    def __init__(self, pb_utils, engine, labels: dict[str, str],
-                 adapter_counts: Callable[[], dict[str, int]], interval_s: float = 0.1) -> None:
-        self.engine = engine
+    def __init__(self, pb_utils, current_engine: Callable[[], object], labels: dict[str, str],
+                 adapter_counts: Callable[[], dict[str, int]], interval_s: float = 0.1, ipc_lock=None) -> None:
+        """`ipc_lock`: held around every call into Triton's metric objects (see triton_model.py)."""
+        self.current_engine = current_engine  # the engine serving now, or None while it is down
         self.adapter_counts = adapter_counts
         self.interval_s = interval_s
-        self.observations = engine.enable_observations()
+        self.engine = self.observations = None
+        self.carried: dict[str, int] = {}  # engine counters as published when the previous engine went away
+        self.blocks_total = 0
         family = pb_utils.MetricFamily
 
         def metric(name, desc, kind, extra_labels=None, **kw):
@@ -86,8 +93,9 @@ class MetricsPublisher:
         self._labels = labels
         self.per_position_family, self.per_position = per_pos, []
         self.published: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = ipc_lock if ipc_lock is not None else threading.Lock()
         self._stop = threading.Event()
+        self._follow(current_engine())  # now: the engine records observations from its first step on
         self._thread = threading.Thread(target=self._run, name="pagedllm-metrics", daemon=True)
         self._thread.start()
 
@@ -98,28 +106,57 @@ class MetricsPublisher:
             metric.increment(delta)
             self.published[key] = value
 
+    def _follow(self, engine) -> None:
+        """A new engine (or none): the previous one's last counts go out, then counters continue from them."""
+        if self.engine is not None:
+            self._publish_engine(self.engine)
+        self.carried = dict(self.published)
+        self.engine = engine
+        self.observations = engine.enable_observations() if engine is not None else None
+
+    def _engine_counts(self, s) -> dict[str, int]:
+        counts = {name: getattr(s, name) for name in STAT_COUNTERS}
+        counts["requests_timed_out"] = s.requests_finished.get("timeout", 0)
+        counts.update({f"success:{r}": s.requests_finished.get(r, 0) for r in FINISH_REASONS})
+        counts.update({f"accepted_pos:{i}": v for i, v in enumerate(s.spec_decode_accepted_per_position)})
+        return {k: self.carried.get(k, 0) + v for k, v in counts.items()}
+
     def publish(self) -> None:
         with self._lock:
-            s = self.engine.get_stats()
-            gauges = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
-                      "kv_cache_usage_perc": s.kv_cache_usage, "kv_blocks_total": s.num_blocks_total,
-                      "kv_blocks_free": s.num_blocks_free}
-            for name, value in gauges.items():
-                self.gauges[name].set(value)
-            for name in STAT_COUNTERS:
-                self._advance(name, self.counters[name], getattr(s, name))
-            adapter = {**self.adapter_counts(), "requests_timed_out": s.requests_finished.get("timeout", 0)}
-            for name, value in adapter.items():
+            engine = self.current_engine()
+            if engine is not self.engine:
+                self._follow(engine)
+            for name, value in self.adapter_counts().items():
                 self._advance(name, self.counters[name], value)
-            for reason, metric in self.success.items():
-                self._advance(f"success:{reason}", metric, s.requests_finished.get(reason, 0))
-            while len(self.per_position) < len(s.spec_decode_accepted_per_position):
-                pos = str(len(self.per_position))
-                self.per_position.append(self.per_position_family.Metric(labels={**self._labels, "position": pos}))
-            for i, value in enumerate(s.spec_decode_accepted_per_position):
-                self._advance(f"accepted_pos:{i}", self.per_position[i], value)
-            for name, value in self.observations.drain():
-                self.histograms[name].observe(value)
+            if engine is None:  # down: nothing runs, waits or holds a block
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                    self.gauges[name].set(0)
+                self.gauges["kv_blocks_free"].set(self.blocks_total)
+            else:
+                self._publish_engine(engine)
+
+    def _publish_engine(self, engine) -> None:
+        s = engine.get_stats()
+        gauges = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
+                  "kv_cache_usage_perc": s.kv_cache_usage, "kv_blocks_total": s.num_blocks_total,
+                  "kv_blocks_free": s.num_blocks_free}
+        for name, value in gauges.items():
+            self.gauges[name].set(value)
+        self.blocks_total = s.num_blocks_total
+        counts = self._engine_counts(s)
+        while len(self.per_position) < len(s.spec_decode_accepted_per_position):
+            pos = str(len(self.per_position))
+            self.per_position.append(self.per_position_family.Metric(labels={**self._labels, "position": pos}))
+        for key, value in counts.items():
+            kind, _, name = key.partition(":")
+            metric = (self.success[name] if kind == "success" else self.per_position[int(name)]
+                      if kind == "accepted_pos" else self.counters[key])
+            self._advance(key, metric, value)
+        self._observe()
+
+    def _observe(self) -> None:
+        for name, value in self.observations.drain():
+            self.histograms[name].observe(value)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -129,6 +166,19 @@ class MetricsPublisher:
                 logger.exception("publishing metrics failed")
 
     def stop(self) -> None:
+        """Stop publishing, publish the final state, and release Triton's metric objects now, while the stub can
+        still take them back (left to the interpreter's exit, their destructors crash the stub). Idempotent.
+
+        A family is Triton's by name: a second instance of this model (loaded while this one goes away) would
+        share them, and releasing them under it corrupts its memory. So an instance that reloads its model
+        calls this before the load."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join()
-        self.publish()  # leave the final state visible
+        self.publish()
+        with self._lock:
+            self.gauges = self.counters = self.success = self.histograms = {}
+            self.per_position, self.per_position_family = [], None
+            self._families.clear()
+            gc.collect()

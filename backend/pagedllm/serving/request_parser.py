@@ -4,19 +4,23 @@ Accepts both anchors' tensor contracts so existing tools work unchanged:
 - vllm_backend: text_input, stream, sampling_parameters (JSON; numbers may arrive as strings, as genai-perf
   sends them), exclude_input_in_output, return_* flags;
 - TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
-  stop_words, min_tokens/min_length, penalties, end_id, return_log_probs, beam_width (1 only);
+  stop_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs, beam_width (1 only);
 - ours: priority, timeout (seconds).
-Pure Python over numpy arrays (no Triton import), so it is unit-testable; every problem raises InvalidRequest
-with a message that names the input.
+Pure Python over numpy arrays (no Triton import), so it is unit-testable. Every problem (a wrong type or shape,
+non-UTF-8 bytes, JSON that is broken, too large or too deep, a number out of range) raises InvalidRequest with a
+one-line message naming the input; with several problems, the first. Ranges the vocabulary and the server's
+limits decide are checked next, by the engine's InputProcessor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.config import RequestLimits
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,6 +37,7 @@ class ParsedRequest:
     priority: int = 0
     timeout: float | None = None
     returns: set[str] = field(default_factory=set)  # which optional outputs to send
+    pad_id: int | None = None  # TensorRT-LLM's; checked against the vocabulary (outputs are never padded)
 
 
 # sampling_parameters JSON keys -> (SamplingParams field, type)
@@ -42,8 +47,11 @@ _JSON_PARAMS = {
     "frequency_penalty": float, "repetition_penalty": float, "skip_special_tokens": bool, "n": int,
 }
 _JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int}
-# Keys vLLM accepts that change nothing here; accepted so that clients written for vllm_backend keep working.
-_JSON_IGNORED = {"best_of", "include_stop_str_in_output", "spaces_between_special_tokens", "detokenize"}
+_NULLABLE = {"seed", "max_tokens", "logprobs"}
+# Keys vLLM accepts whose only value here is vLLM's default (so a client written for vllm_backend that sends
+# them keeps working); any other value is refused rather than silently ignored.
+_JSON_DEFAULT_ONLY = {"best_of": (None, 1), "include_stop_str_in_output": (False,),
+                      "spaces_between_special_tokens": (True,), "detokenize": (True,)}
 
 # TensorRT-LLM-style scalar inputs -> SamplingParams field
 _TENSOR_PARAMS = {
@@ -52,6 +60,7 @@ _TENSOR_PARAMS = {
     "min_tokens": "min_tokens", "min_length": "min_tokens", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
 }
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _RETURN_FLAGS = {
     "return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
     "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
@@ -62,12 +71,14 @@ KNOWN_INPUTS = ({"text_input", "stream", "sampling_parameters", "exclude_input_i
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
 
 
-def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None) -> ParsedRequest:
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
+                  limits: RequestLimits | None = None) -> ParsedRequest:
     """`parameters` are the request's Triton parameters (HTTP generate puts JSON keys that are not inputs
     there); they are read as sampling parameters, overridden by `sampling_parameters` and by tensors."""
+    limits = limits or RequestLimits()
     unknown = set(inputs) - KNOWN_INPUTS
     if unknown:
-        raise InvalidRequest(f"unknown input(s): {', '.join(sorted(unknown))}")
+        raise InvalidRequest(f"unknown input(s): {', '.join(_show(n) for n in sorted(unknown))[:200]}")
     if "text_input" not in inputs:
         raise InvalidRequest("text_input: is required")
     prompt = _text(inputs["text_input"], "text_input")
@@ -78,7 +89,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None)
     if parameters:
         kwargs.update(_parse_sampling_dict(parameters, "request parameters"))
     if "sampling_parameters" in inputs:
-        kwargs.update(_parse_sampling_json(_text(inputs["sampling_parameters"], "sampling_parameters")))
+        kwargs.update(_parse_sampling_json(_text(inputs["sampling_parameters"], "sampling_parameters"), limits))
     for name, target in _TENSOR_PARAMS.items():
         if name in inputs:
             kwargs[target] = _scalar(inputs[name], name, float if target in _FLOAT_FIELDS else int)
@@ -102,75 +113,112 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None)
         params = SamplingParams(**kwargs)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-
-    timeout = None
-    if "timeout" in inputs:
-        timeout = _scalar(inputs["timeout"], "timeout", float)
-        if not timeout > 0:
-            raise InvalidRequest(f"timeout: must be > 0 seconds, got {timeout}")
     return ParsedRequest(
         prompt=prompt,
         params=params,
         stream=stream,
         exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
         priority=_scalar(inputs["priority"], "priority", int) if "priority" in inputs else 0,
-        timeout=timeout,
+        timeout=_scalar(inputs["timeout"], "timeout", float) if "timeout" in inputs else None,
         returns=returns,
+        pad_id=_scalar(inputs["pad_id"], "pad_id", int) if "pad_id" in inputs else None,
     )
 
 
-_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-
-
-def _parse_sampling_json(raw: str) -> dict:
+def _parse_sampling_json(raw: str, limits: RequestLimits) -> dict:
+    size = len(raw.encode("utf-8", errors="surrogatepass"))
+    if size > limits.max_json_bytes:
+        raise InvalidRequest(f"sampling_parameters: {size} bytes of JSON, at most {limits.max_json_bytes} allowed")
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
+    except RecursionError:
+        raise InvalidRequest(f"sampling_parameters: JSON nested deeper than {limits.max_json_depth} levels") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InvalidRequest(f"sampling_parameters: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if _depth(obj) > limits.max_json_depth:
+        raise InvalidRequest(f"sampling_parameters: JSON nested deeper than {limits.max_json_depth} levels")
     if not isinstance(obj, dict):
         raise InvalidRequest("sampling_parameters: must be a JSON object")
     return _parse_sampling_dict(obj, "sampling_parameters")
 
 
+def _depth(obj) -> int:
+    """Nesting depth of JSON arrays and objects (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def _parse_sampling_dict(obj: dict, where: str) -> dict:
     out: dict = {}
     for key, value in obj.items():
-        if key in _JSON_IGNORED:
-            continue
-        if key in _JSON_PARAMS:
-            out[key] = None if value is None and key in ("seed", "max_tokens", "logprobs") else \
-                _coerce(value, _JSON_PARAMS[key], f"sampling_parameters.{key}")
+        name = f"{where}.{key}" if where != "request parameters" else str(key)
+        if key in _JSON_DEFAULT_ONLY:
+            allowed = _JSON_DEFAULT_ONLY[key]
+            kind = type(allowed[-1])
+            if value is not None or None not in allowed:
+                if _coerce(value, kind, name) not in allowed:
+                    raise InvalidRequest(f"{name}: only {allowed[-1]!r} is supported, got {_show(value)}")
+        elif key in _JSON_PARAMS:
+            out[key] = None if value is None and key in _NULLABLE else _coerce(value, _JSON_PARAMS[key], name)
         elif key in _JSON_LIST_PARAMS:
             values = value if isinstance(value, list) else [value]
-            out[key] = [_coerce(v, _JSON_LIST_PARAMS[key], f"sampling_parameters.{key}") for v in values]
+            out[key] = [_coerce(v, _JSON_LIST_PARAMS[key], name) for v in values]
         else:
-            raise InvalidRequest(f"{where}: unknown parameter {key!r}")
+            raise InvalidRequest(f"{where}: unknown parameter {_show(key)}")
     return out
 
 
 def _coerce(value, kind: type, name: str):
-    """Convert JSON values, including numbers and booleans sent as strings ("128", "0.7", "true")."""
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false"):
-                return value.lower() == "true"
-            raise ValueError
-        if kind is str:
-            if not isinstance(value, str):
-                raise ValueError
-            return value
+    """Convert a JSON or tensor value, including numbers and booleans sent as strings ("128", "0.7", "true").
+    Integers never pass through float: seeds keep all 64 bits."""
+    bad = InvalidRequest(f"{name}: expected {'an integer' if kind is int else kind.__name__}, got {_show(value)}")
+    if kind is bool:
         if isinstance(value, bool):
-            raise ValueError
-        if kind is int:
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad
+    if kind is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass  # "128.0" or "1e3": through float below, if it is a whole number
+        try:
             f = float(value)
-            if not f.is_integer():
-                raise ValueError
-            return int(f)
+        except (ValueError, OverflowError):
+            raise bad from None
+        if not (math.isfinite(f) and f.is_integer()):
+            raise bad
+        return int(f)
+    try:
         return float(value)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"{name}: expected {kind.__name__}, got {value!r}") from None
+    except (ValueError, OverflowError):
+        raise bad from None
+
+
+def _show(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _first(arr: np.ndarray, name: str):

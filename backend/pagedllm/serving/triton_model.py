@@ -1,12 +1,26 @@
 """The Triton Python-backend model (decoupled). The only module that imports triton_python_backend_utils.
 
-Threads: Triton calls `execute` (parse, tokenize, enqueue: never blocks on the engine); the engine loop
-thread runs steps; the response thread turns engine outputs into Triton responses, sends them, and sweeps
-for cancelled requests; the metrics thread publishes gauges.
+Threads: Triton calls `execute` (parse, validate, enqueue: never blocks on the engine); the engine loop thread
+runs steps; the response thread turns engine outputs into Triton responses, sends them, and sweeps for
+cancelled requests; the metrics thread publishes gauges.
+
+Every response goes through the request's ResponseChannel, which the final response closes: no sender is used
+after it (Triton 24.10 crashes the server on `is_cancelled()` after a final response). Every call from these
+threads into triton_python_backend_utils holds IPC_LOCK: the stub's shared-memory allocator has no lock of its
+own (it relies on the GIL, which some calls release while they wait for tritonserver), and concurrent calls
+from two threads were seen to corrupt it (a general-protection fault in the stub). A malformed request
+gets one INVALID_ARG error and touches nothing else. A failure that belongs to one request ends it with an
+INTERNAL error. A dead engine fails every in-flight request once, then recovers: under explicit model control
+the model unloads itself (NOT READY) and loads itself again (a fresh process and engine) with bounded,
+backed-off attempts (`engine_restart: "reload"`, which `pagedllm serve` sets); otherwise, and in the other
+modes, where Triton 24.10 lets a model neither unload nor report NOT READY, the engine is rebuilt in this
+process and requests are refused with UNAVAILABLE meanwhile. (Asking a server that is not under explicit
+control to unload is no probe: the stub's handling of that refusal was seen to corrupt its memory.)
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -19,7 +33,7 @@ from dataclasses import dataclass
 import triton_python_backend_utils as pb_utils
 from transformers import AutoTokenizer
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ServingConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.scheduler import QueueFullError
@@ -27,16 +41,21 @@ from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
 from pagedllm.serving.response_builder import ResponseBuilder, coalesce
+from pagedllm.serving.response_channel import ResponseChannel
 
 logger = logging.getLogger("pagedllm.serving")
 
 ENGINE_ARGS_FILE = "engine.json"
 CANCEL_SWEEP_S = 0.02  # how often in-flight requests are checked for client cancellation
+# A config parameter this model sets on itself when it reloads after an engine failure: the restarts so far.
+RESTARTS_PARAMETER = "pagedllm_engine_restarts"
+# One per stub process, like the allocator it guards (re-entrant: a channel's send may run under it).
+IPC_LOCK = threading.RLock()
 
 
 @dataclass
 class _InFlight:
-    sender: object
+    channel: ResponseChannel
     builder: ResponseBuilder
     triton_id: str
     cancelled: bool = False
@@ -49,30 +68,42 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException("pagedllm needs `model_transaction_policy { decoupled: true }`")
         version_dir = os.path.join(args["model_repository"], args["model_version"])
-        engine_args = self._engine_args(version_dir)
-        metrics_on = engine_args.pop("enable_metrics", True)
+        self.serving, engine_args = ServingConfig.split(self._engine_args(version_dir))
         logging.basicConfig(level=logging.INFO, format="[pagedllm] %(levelname)s %(name)s: %(message)s")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
-        # Requests are tokenized and validated on Triton's thread with the adapter's own tokenizer; the engine
-        # thread detokenizes with the engine's. The two are never shared across threads.
-        tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.config.model)
-        self.inputs = InputProcessor(tokenizer, self.engine.model_info)
+        self.engine_config = EngineConfig.from_kwargs(**engine_args)
+        self.restarts_before = int(self._param(RESTARTS_PARAMETER, "0"))  # by earlier loads of this model
         self.inflight: dict[str, _InFlight] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
         self.num_rejected = 0
         self.num_cancelled = 0
+        self.reloader: threading.Thread | None = None
         self.metrics = None
-        if self._param("enable_metrics", "true").lower() == "true" and metrics_on:
+        self.loop = EngineLoop(self._build_engine, self._on_output, on_dead=self._on_engine_dead,
+                               max_restarts=self.serving.max_engine_restarts,
+                               backoff_s=self.serving.engine_restart_backoff_s)
+        # Requests are tokenized and validated on Triton's thread with the adapter's own tokenizer; the engine
+        # thread detokenizes with the engine's. The two are never shared across threads.
+        cfg = self.engine_config
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits)
+        if self._param("enable_metrics", "true").lower() == "true" and self.serving.enable_metrics:
             labels = {"model": self.model_name, "version": str(args["model_version"])}
-            self.metrics = MetricsPublisher(pb_utils, self.engine, labels, lambda: {
-                "requests_rejected": self.num_rejected, "requests_cancelled": self.num_cancelled})
-        self.loop = EngineLoop(self.engine, self._on_output, on_dead=self._on_engine_dead)
+            self.metrics = MetricsPublisher(pb_utils, lambda: self.loop.engine, labels, lambda: {
+                "requests_rejected": self.num_rejected, "requests_cancelled": self.num_cancelled,
+                "engine_restarts": self.restarts_before + self.loop.restarts}, ipc_lock=IPC_LOCK)
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedllm-responses",
                                                 daemon=True)
         self.response_thread.start()
-        logger.info("model %s ready (engine args %s)", self.model_name, engine_args)
+        logger.info("model %s ready (engine args %s, %s, %d engine restarts before this load)", self.model_name,
+                    engine_args, self.serving, self.restarts_before)
+
+    def _build_engine(self) -> LLMEngine:
+        engine = LLMEngine(self.engine_config)
+        if self.metrics is not None:  # a restarted engine records its measurements from its first step on
+            engine.enable_observations()
+        return engine
 
     def _param(self, key: str, default: str) -> str:
         return self.model_config.get("parameters", {}).get(key, {}).get("string_value", default)
@@ -93,40 +124,91 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             self._accept(request)
-        return None
 
     def _accept(self, request) -> None:
-        sender = request.get_response_sender()
-        triton_id = request.request_id() or ""
+        with IPC_LOCK:
+            channel = ResponseChannel(request.get_response_sender(), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                                      IPC_LOCK)
+            triton_id = request.request_id() or ""
         try:
-            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-            parameters = {k: v for k, v in json.loads(request.parameters() or "{}").items()
+            with IPC_LOCK:
+                inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+                raw_parameters = request.parameters()
+            parameters = {k: v for k, v in json.loads(raw_parameters or "{}").items()
                           if not k.startswith("triton_")}  # triton_* are the frontend's own
-            parsed = parse_request(inputs, parameters)
+            parsed = parse_request(inputs, parameters, self.engine_config.limits)
+            if parsed.pad_id is not None:
+                self.inputs.check_token_ids("pad_id", [parsed.pad_id])
             processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
-            rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
-            with self.lock:
-                self.inflight[rid] = _InFlight(sender, ResponseBuilder(parsed, len(processed.prompt_token_ids)),
-                                               triton_id)
-            self.loop.submit(rid, processed)
         except (InvalidRequest, ValueError) as e:
-            self.num_rejected += 1
-            self._send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
+            self._reject(channel, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
+            return
+        except Exception as e:  # anything else about this one request (a tokenizer failure, say)
+            logger.exception("could not process request %s", triton_id or "-")
+            self._reject(channel, f"could not process the request: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL,
+                         triton_id)
+            return
+        rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
+        with self.lock:  # registered first: the engine thread may answer before submit returns
+            self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids)),
+                                           triton_id)
+        try:
+            self.loop.submit(rid, processed)
         except EngineDeadError as e:
-            self.num_rejected += 1
-            self._send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE, triton_id)
+            with self.lock:
+                self.inflight.pop(rid, None)
+            self._reject(channel, str(e), pb_utils.TritonError.UNAVAILABLE, triton_id)
+
+    def _reject(self, channel: ResponseChannel, message: str, code, triton_id: str) -> None:
+        self.num_rejected += 1
+        self._send_error(channel, message, code, triton_id)
 
     # --- engine thread -----------------------------------------------------------------------
     def _on_output(self, rid, out, err) -> None:
         self.responses.put((rid, out, err))  # sending happens on the response thread
 
-    def _on_engine_dead(self, err: Exception) -> None:
-        """In-flight requests already got errors; make the model not ready (needs explicit model control)."""
-        logger.error("engine died (%s): unloading model %s", err, self.model_name)
+    def _on_engine_dead(self, err: Exception) -> bool:
+        """In-flight requests already got their errors. With engine_restart "reload": unload this model (it
+        reports NOT READY) and load it again from a thread of ours (True: the loop need not restart the engine).
+        Otherwise False: the loop restarts the engine in process."""
+        if self.serving.max_engine_restarts == 0:
+            logger.error("engine died (%s); restarts are off (max_engine_restarts 0)", err)
+        if self.serving.engine_restart != "reload":
+            logger.error("engine died (%s): restarting it in process; requests get UNAVAILABLE meanwhile", err)
+            return False
         try:
-            pb_utils.unload_model(self.model_name)
-        except Exception as e:  # e.g. model control mode NONE
-            logger.error("could not unload %s (%s); new requests get UNAVAILABLE errors", self.model_name, e)
+            with IPC_LOCK:
+                pb_utils.unload_model(self.model_name)
+        except Exception as e:
+            logger.error("engine died (%s); the model cannot unload itself (%s: is the server under explicit model "
+                         "control?): restarting the engine in process", err, str(e).splitlines()[0])
+            return False
+        logger.error("engine died (%s): model %s unloaded (NOT READY); it will load itself again", err,
+                     self.model_name)
+        self.reloader = threading.Thread(target=self._reload, name="pagedllm-reload", daemon=True)
+        self.reloader.start()
+        return True
+
+    def _reload(self) -> None:
+        """Load this model again, with the restart count carried in its config; attempts backed off. This
+        instance's metric families are released first: the new instance makes its own, of the same names."""
+        if self.metrics is not None:
+            self.metrics.stop()
+        config = copy.deepcopy(self.model_config)
+        restarts = self.restarts_before + self.loop.restarts + 1
+        config.setdefault("parameters", {})[RESTARTS_PARAMETER] = {"string_value": str(restarts)}
+        for attempt in range(self.serving.max_engine_restarts):
+            time.sleep(self.serving.engine_restart_backoff_s * 2 ** attempt)
+            try:
+                with IPC_LOCK:  # held while the new instance loads: nothing else of ours talks to Triton then
+                    pb_utils.load_model(self.model_name, config=json.dumps(config))
+                logger.warning("model %s loaded again (engine restart %d)", self.model_name, restarts)
+                return
+            except Exception as e:
+                logger.error("loading %s again failed (attempt %d of %d): %s", self.model_name, attempt + 1,
+                             self.serving.max_engine_restarts, e)
+        logger.error("model %s stays unloaded: load it through the repository API once the cause is fixed",
+                     self.model_name)
 
     # --- response thread ---------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -164,64 +246,67 @@ class TritonPythonModel:
         if state is None:
             return
         if err is not None:
-            if not isinstance(err, EngineDeadError):  # the engine refused it (overloaded, bad input)
+            if not isinstance(err, EngineDeadError):  # the engine refused it (overloaded)
                 self.num_rejected += 1
-            code = pb_utils.TritonError.UNAVAILABLE if isinstance(err, (QueueFullError, EngineDeadError)) \
-                else pb_utils.TritonError.INVALID_ARG
+            code = pb_utils.TritonError.UNAVAILABLE if isinstance(err, (QueueFullError, EngineDeadError)) else pb_utils.TritonError.INVALID_ARG
             self._finish(rid, state, error=(str(err), code))
             return
         reason = out.outputs[0].finish_reason
         if reason == "abort":
             msg = "request was cancelled" if state.cancelled else "request aborted: the model is being unloaded"
-            code = pb_utils.TritonError.CANCELLED if state.cancelled else pb_utils.TritonError.UNAVAILABLE
-            self._finish(rid, state, error=(msg, code))
+            self._finish(rid, state, error=(msg, pb_utils.TritonError.CANCELLED if state.cancelled else pb_utils.TritonError.UNAVAILABLE))
+            return
+        if reason == "error":
+            self._finish(rid, state, error=(f"request failed: {out.error}", pb_utils.TritonError.INTERNAL))
             return
         arrays = state.builder.arrays_for(out)
-        tensors = [pb_utils.Tensor(name, value) for name, value in arrays.items()]
-        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        with IPC_LOCK:
+            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in arrays.items()])
         if out.finished:
             self._finish(rid, state, response=response)
         else:
-            state.sender.send(response)
+            state.channel.send(response)
 
     def _finish(self, rid, state: _InFlight, response=None, error=None) -> None:
         with self.lock:
             self.inflight.pop(rid, None)
         if error is not None:
-            self._send_error(state.sender, error[0], error[1], state.triton_id)
+            self._send_error(state.channel, error[0], error[1], state.triton_id)
         else:
-            state.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            state.channel.send(response, final=True)
 
     def _sweep_cancellations(self) -> None:
         with self.lock:
             live = [(rid, s) for rid, s in self.inflight.items() if not s.cancelled]
         for rid, state in live:
-            if state.sender.is_cancelled():
+            if state.channel.is_cancelled():  # False once its final response went out
                 state.cancelled = True
                 self.num_cancelled += 1
                 self.loop.abort(rid)
 
     @staticmethod
-    def _send_error(sender, message: str, code, triton_id: str = "") -> None:
+    def _send_error(channel: ResponseChannel, message: str, code, triton_id: str = "") -> None:
+        message = " ".join(message.split())[:1000]  # one line, bounded
         logger.info("request %s failed: %s", triton_id or "-", message)
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with IPC_LOCK:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+        channel.send(response, final=True)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def finalize(self) -> None:
         """Abort what is in flight (each gets a final error response), then join every thread."""
         logger.info("finalizing: %d requests in flight", len(self.inflight))
-        self.loop.stop()
+        self.loop.stop()  # aborts what runs, shuts the engine (and any tensor-parallel workers) down
         if self.loop.running:
             logger.error("engine thread did not stop in time")
-        self.engine.shutdown()  # tensor-parallel worker processes end with the model
+        if self.reloader is not None:  # this process must outlive the load of its successor
+            self.reloader.join()
         self.responses.put(None)
         self.response_thread.join()
         with self.lock:
             leftovers = list(self.inflight.items())
             self.inflight.clear()
         for _, state in leftovers:  # e.g. submitted after the loop stopped
-            self._send_error(state.sender, "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE)
+            self._send_error(state.channel, "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE, state.triton_id)
         if self.metrics is not None:
             self.metrics.stop()
-

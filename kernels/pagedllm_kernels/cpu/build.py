@@ -1,16 +1,35 @@
 """Builds (once per machine and source version) and loads the C++ CPU kernels of this directory as one torch
-extension. The module name carries a digest of the sources, so an edited header is never served stale."""
+extension. The module name carries a digest of the sources and the compiler flags, so an edited header is never
+served stale.
+
+Once built, the module is loaded straight from its build directory: no ninja run, no build lock. That matters
+because torch's build takes a lock file that a killed build leaves behind (every later build then waits forever:
+one older than STALE_LOCK_S is removed), and because ninja 1.11 and 1.12+ hash commands differently, so two
+processes finding different ninjas on their PATH (the system's, the venv's) would rebuild the module for each
+other (~50 s each time). When a build is needed, the `ninja` package's own binary is put first on PATH.
+"""
 
 from __future__ import annotations
 
 import functools
 import glob
 import hashlib
+import importlib.util
+import logging
 import os
 import pathlib
+import shutil
+import time
+
+logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
+           "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
 
 
 def _cpu_flags() -> set[str]:
@@ -42,12 +61,45 @@ def extension():
     ok, why = cpu_supported()
     if not ok:
         raise RuntimeError(why)
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     files = sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h")))
-    digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files)).hexdigest()[:12]
-    # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
-    return load(name=f"pagedllm_cpu_{digest}", sources=[f for f in files if f.endswith(".cpp")], verbose=False,
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
-                              "-mamx-bf16", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+    digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files) +
+                            repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:12]
+    name = f"pagedllm_cpu_{digest}"
+    build_dir = pathlib.Path(_get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    if built.exists() and not (build_dir / "lock").exists():
+        return _load_built(name, built)
+    _remove_stale_lock(build_dir / "lock")
+    _use_package_ninja()
+    return load(name=name, sources=[f for f in files if f.endswith(".cpp")], verbose=False, extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS)
+
+
+def _load_built(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _remove_stale_lock(lock: pathlib.Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing the build lock %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+def _use_package_ninja() -> None:
+    """Put the `ninja` package's binary first on PATH (torch runs whatever `ninja` PATH finds)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    binary = shutil.which("ninja", path=ninja.BIN_DIR)
+    if binary and shutil.which("ninja") != binary:
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -6,6 +6,13 @@
 - `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
   M <= 64, equal for large batches).
 
+oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
+0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
+hundreds of MiB before they filled (perf/soak.py). So the rows oneDNN sees are rounded up to a few dozen
+sizes (`bucket_rows`: multiples of 8 up to 64, of 64 above), padded with zero rows that are dropped from the
+result; the extra rows are nearly free (a decode's linear is bound by reading the weight) and each real row's
+result does not depend on them.
+
 `pack_linears(model, use_amx=False)` keeps oneDNN packing on AMX hosts too (`EngineConfig.amx_linear`, for A/B
 runs). Only bf16 is swapped: fp32 is
 the path held token-identical to transformers, and oneDNN's packed fp32 path rounds differently from `F.linear`.
@@ -21,6 +28,23 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; other row counts stay correct
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a batch of `rows` is padded to before oneDNN sees it (see the module's docstring)."""
+    step = 8 if rows <= 64 else 64
+    return -(-rows // step) * step
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K], with zero rows appended up to bucket_rows(rows)."""
+    rows = x.shape[0]
+    target = bucket_rows(rows)
+    if target == rows:
+        return x
+    out = x.new_zeros(target, x.shape[1])
+    out[:rows] = x
+    return out
 
 
 def packing_available() -> bool:
@@ -52,7 +76,11 @@ class AmxLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear(x, self.packed_weight, self.bias, self.buffer)
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= self.kernel.MAX_ROWS:  # our kernel: no per-shape state
+            return self.kernel.linear(x, self.packed_weight, self.bias, self.buffer)
+        y = self.kernel.linear(padded_rows(rows), self.packed_weight, self.bias, self.buffer)  # oneDNN above
+        return y[:rows.shape[0]].view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -64,9 +92,9 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed_weight, self.bias,
-                                               "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(padded_rows(rows), self.packed_weight, self.bias, "none", [], "")
+        return y[:rows.shape[0]].view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: nn.Module, use_amx: bool = True) -> int:

@@ -1,0 +1,32 @@
+"""bf16 linears packed for oneDNN: bit-identical to F.linear at every row count, with the rows oneDNN sees
+rounded up to a few dozen sizes (its per-shape primitive caches then stay small)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.layers.packed_linear import PackedLinear, bucket_rows, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN packing is not available here")
+
+
+def test_row_counts_fall_into_few_buckets():
+    buckets = {bucket_rows(m) for m in range(1, 2049)}
+    assert len(buckets) == 8 + 31  # multiples of 8 up to 64, of 64 from 128 to 2048
+    assert all(bucket_rows(m) >= m and bucket_rows(m) - m < (8 if m <= 64 else 64) for m in range(1, 2049))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_rows_change_no_result(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 320, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        for rows in (1, 5, 8, 9, 31, 64, 65, 100, 129):
+            x = torch.randn(2, rows, 192, dtype=torch.bfloat16)
+            got = packed(x)
+            assert got.shape == (2, rows, 320)
+            assert torch.equal(got, F.linear(x, linear.weight, linear.bias)), rows
