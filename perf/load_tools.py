@@ -5,6 +5,7 @@ server on free loopback ports (or uses --grpc-url/--http-url), runs the tool, st
     .venv/bin/python perf/load_tools.py perf_analyzer [--concurrency 1,4,16]
     .venv/bin/python perf/load_tools.py locust [--users 16 --seconds 30]
     .venv/bin/python perf/load_tools.py genai-perf [--backend vllm|tensorrtllm]
+    .venv/bin/python perf/load_tools.py genai-perf --endpoint-type chat   # through the OpenAI front end
 Installs what each tool needs on first use (apt libb64-0d and pip nvidia-cuda-runtime-cu12 for
 perf_analyzer; locust and genai-perf each into a venv of its own under .cache/).
 """
@@ -20,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from common import OUT_DIR, model_dir
+from pagedllm.net import free_port
 from pagedllm.serving import launcher
 
 VENV = Path(sys.executable).parent
@@ -84,6 +86,29 @@ def run_genai_perf(grpc_url: str, args) -> None:
     print(out.stdout[-4000:], out.stderr[-2000:], flush=True)
 
 
+def run_genai_perf_chat(openai_url: str, model: str, args) -> None:
+    """genai-perf's OpenAI chat endpoint type against our OpenAI front end, serving the default chat model: its
+    tokenizer (from the GGUF metadata) is saved as an HF directory for genai-perf to count tokens with."""
+    from pagedllm.models.checkpoint import load_tokenizer
+
+    bin_dir = ensure_genai_perf()
+    tokenizer = os.path.join(OUT_DIR, "models", "smollm2-tokenizer")
+    if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+        load_tokenizer(model).save_pretrained(tokenizer)
+    env = {**ensure_perf_analyzer(), "HF_HUB_OFFLINE": "1",
+           "PATH": f"{VENV}:{bin_dir}:{os.environ.get('PATH', '')}"}
+    for concurrency in args.concurrency.split(","):
+        cmd = [str(bin_dir / "genai-perf"), "profile", "-m", "pagedllm", "--endpoint-type", "chat", "--streaming",
+               "-u", openai_url, "--tokenizer", tokenizer, "--concurrency", concurrency,
+               "--synthetic-input-tokens-mean", "128", "--synthetic-input-tokens-stddev", "0",
+               "--output-tokens-mean", str(args.max_tokens), "--extra-inputs", "ignore_eos:true",
+               "--extra-inputs", f"max_tokens:{args.max_tokens}", "--measurement-interval", "15000",
+               "--artifact-dir", os.path.join(OUT_DIR, f"genai-perf-chat-c{concurrency}")]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        print(f"--- genai-perf chat, concurrency {concurrency}\n", out.stdout[-4000:], out.stderr[-2000:],
+              flush=True)
+
+
 LOCUST_VENV = Path(__file__).resolve().parents[1] / ".cache" / "locust-venv"
 
 
@@ -118,21 +143,33 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--backend", default="vllm", choices=["vllm", "tensorrtllm"])
+    ap.add_argument("--endpoint-type", default="kserve", choices=["kserve", "chat"],
+                    help="genai-perf: Triton's gRPC (kserve, a tiny random model) or the OpenAI chat endpoint "
+                         "(the default model, SmolLM2-135M-Instruct)")
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--seconds", type=int, default=30)
     args = ap.parse_args()
     os.makedirs(OUT_DIR, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pagedllm-load-"))
-    server = launcher.launch_on_free_ports(work, model_dir("llama", args.size, "bfloat16"), ENGINE)
+    chat = args.tool == "genai-perf" and args.endpoint_type == "chat"
+    model = str(launcher.default_model()) if chat else model_dir("llama", args.size, "bfloat16")
+    server = launcher.launch_on_free_ports(work, model, ENGINE)
+    frontend = None
     try:
         http, grpc = f"127.0.0.1:{server.http_port}", f"127.0.0.1:{server.grpc_port}"
-        if args.tool == "perf_analyzer":
+        if chat:
+            port = free_port()
+            frontend = launcher.start_openai_frontend("127.0.0.1", port, grpc, drain_timeout=10)
+            launcher.wait_openai_ready(f"http://127.0.0.1:{port}", frontend)
+            run_genai_perf_chat(f"127.0.0.1:{port}", model, args)
+        elif args.tool == "perf_analyzer":
             run_perf_analyzer(grpc, args)
         elif args.tool == "genai-perf":
             run_genai_perf(grpc, args)
         else:
             run_locust(http, grpc, args)
     finally:
+        launcher.stop_process(frontend)
         launcher.stop_server(server.proc)
 
 

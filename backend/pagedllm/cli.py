@@ -1,4 +1,5 @@
-"""`pagedllm` command line: make-tiny-model, generate, batch, serve (generate and batch also under torchrun)."""
+"""`pagedllm` command line: make-tiny-model, generate, batch, serve, openai (generate and batch also under
+torchrun)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def _serve(args) -> None:
     from pagedllm.serving.launcher import serve
 
     sys.exit(serve(args))
+
+
+def _openai(args) -> None:
+    from pagedllm.openai.server import run  # lazily: the front end only speaks gRPC to Triton
+
+    sys.exit(run(args))
 
 
 def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model through a real tritonserver")
     add_serve_arguments(p)
     p.set_defaults(func=_serve)
+
+    from pagedllm.openai.server import add_openai_arguments
+
+    p = sub.add_parser("openai", help="an OpenAI-compatible HTTP front end for a running Triton (over gRPC)")
+    add_openai_arguments(p)
+    p.set_defaults(func=_openai)
     return parser
 
 

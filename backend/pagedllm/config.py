@@ -170,6 +170,8 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to `model`
+    # A Jinja chat template (or the path of a file holding one) replacing the tokenizer's, for chat requests.
+    chat_template: str | None = None
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0

@@ -57,7 +57,31 @@ class LLM:
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         timeouts = _per_prompt(timeout, n, "timeout")
         process = self.engine.input_processor.process
-        processed = [process(p, _final_only(sp), pr, t) for p, sp, pr, t in zip(prompts, params, priorities, timeouts)]
+        return self._run([process(p, _final_only(sp), pr, t)
+                          for p, sp, pr, t in zip(prompts, params, priorities, timeouts)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-format messages) or to several (a list of
+        such lists), rendered with the chat template: `chat_template` (a Jinja string or a file), else the
+        engine's `chat_template`, else the tokenizer's. Raises ValueError for a malformed conversation or a
+        model without a template, before anything is queued."""
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(),
+                             len(conversations), "sampling_params")
+        process = self.engine.input_processor.process_chat
+        return self._run([process(conv, _final_only(sp), chat_template=chat_template,
+                                  add_generation_prompt=add_generation_prompt)
+                          for conv, sp in zip(conversations, params)], use_tqdm)
+
+    def _run(self, processed: list, use_tqdm: bool) -> list[RequestOutput]:
+        n = len(processed)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, desc="Processed prompts", disable=not use_tqdm)

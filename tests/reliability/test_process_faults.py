@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -89,20 +90,29 @@ def test_a_killed_worker_fails_in_flight_requests_then_the_model_comes_back(llam
 
 
 def _serve(llama_dir, tmp_path, drain_timeout: int, tp: int = 2, host: str = "127.0.0.1"):
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]  # HTTP, gRPC, metrics, and the OpenAI front end `serve` starts too
     engine_args = ["--engine-arg", "dtype=\"float32\"", "--engine-arg", "max_model_len=512",
                    "--engine-arg", f"kv_cache_memory_bytes={8 << 20}", "--engine-arg", f"tensor_parallel_size={tp}"]
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", llama_dir, "--workdir", str(tmp_path / "w"),
            "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-           "--drain-timeout", str(drain_timeout), "--host", host, *engine_args]
+           "--openai-port", str(ports[3]), "--drain-timeout", str(drain_timeout), "--host", host, *engine_args]
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    server = triton_server.Server(proc, *ports, tmp_path / "serve.log")
+    server = triton_server.Server(proc, *ports[:3], tmp_path / "serve.log")
+    server.openai = ports[3]
     deadline = time.monotonic() + 240
-    while _status(server) != 200:
+    while _status(server) != 200 or _openai_health(server) != 200:  # the front end starts once the model is ready
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
         time.sleep(0.5)
     return proc, server
+
+
+def _openai_health(server) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.openai}/health", timeout=10) as r:
+            return r.status
+    except OSError:
+        return 0
 
 
 def _status(server) -> int:
@@ -146,8 +156,8 @@ def test_sigterm_drains_streams_and_leaves_no_process_behind(llama_dir, tmp_path
     cleanup.append(family)
     names = " ".join(p.name() for p in family)
     assert "tritonserver" in names and "triton_python_backend_stub" in names and len(workers_of(proc.pid)) == 1
-    listening = _listening(family)  # the three Triton ports, the tensor-parallel store, gloo's peers
-    assert {server.http, server.grpc, server.metrics} <= set(listening) and len(listening) > 3, listening
+    listening = _listening(family)  # the Triton ports, the OpenAI front end's, the tensor-parallel store, gloo's
+    assert {server.http, server.grpc, server.metrics, server.openai} <= set(listening) and len(listening) > 4, listening
     assert all(_loopback(address) for address in listening.values()), listening
     reference = LLM(llama_dir, dtype="float32", max_model_len=512).generate(
         PROMPTS, SamplingParams(**STREAM), use_tqdm=False)
@@ -173,7 +183,8 @@ def test_a_second_signal_stops_everything_at_once(llama_dir, tmp_path, cleanup):
     family = _started_by(proc)
     cleanup.append(family)
     listening = _listening(family)
-    assert all(listening[port] in ("0.0.0.0", "::") for port in (server.http, server.grpc, server.metrics)), listening
+    ports = (server.http, server.grpc, server.metrics, server.openai)
+    assert all(listening.get(port) in ("0.0.0.0", "::") for port in ports), listening
     # An idle keep-alive HTTP connection holds tritonserver's drain open until its exit timeout (600 s here).
     idle = http.client.HTTPConnection("127.0.0.1", server.http, timeout=30)
     idle.request("GET", "/v2/health/live")

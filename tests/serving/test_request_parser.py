@@ -43,7 +43,7 @@ def test_tensors_override_json_and_request_parameters_are_read():
 
 
 @pytest.mark.parametrize("inputs, params, message", [
-    ({}, None, "text_input: is required"),
+    ({}, None, "text_input or messages: exactly one is required"),
     ({"text_input": t("")}, None, "text_input: is empty"),
     ({"text_input": np.array([b"\xff"], dtype=np.object_)}, None, "UTF-8"),
     ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, None, "exactly one element"),

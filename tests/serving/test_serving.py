@@ -185,3 +185,8 @@ def test_client_reports_server_errors(server):
         PagedLLMClient(server.grpc_url).generate("hi", max_tokens=0)
     with pytest.raises(ServerError, match="max_tokens"):
         PagedLLMClient(server.http_url, "http").generate("hi", stream=False, max_tokens=0)
+
+
+def test_chat_on_a_model_without_a_template_is_refused_clearly(server):
+    status, body = post(server, "generate", {"messages": json.dumps([{"role": "user", "content": "hi"}])})
+    assert status == 400 and "has no chat template" in json.loads(body)["error"], body

@@ -16,7 +16,6 @@ import logging
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from pagedllm.attention.selector import ProbeShape, select_backend
 from pagedllm.config import EngineConfig
@@ -37,6 +36,7 @@ from pagedllm.engine.spec_decode.verifier import verify
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
+from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.models.layers.fused import load_fused_ops
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, info, config.limits)
+        self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template)
         self.executor = make_executor(config, info)
         try:
             num_blocks = self._init_cache()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.config import RequestLimits
+from pagedllm.engine.chat_template import ChatTemplate
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,8 +28,10 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, info: ModelInfo, limits: RequestLimits | None = None) -> None:
+    def __init__(self, tokenizer, info: ModelInfo, limits: RequestLimits | None = None,
+                 chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat = ChatTemplate(tokenizer, chat_template)
         self.info = info
         self.limits = limits or RequestLimits()
         default = info.max_model_len - 1
@@ -49,6 +52,17 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
         return ProcessedRequest(text, ids, params, priority, timeout)
+
+    def process_chat(self, messages, params: SamplingParams | None = None, priority: int = 0,
+                     timeout: float | None = None, chat_template: str | None = None,
+                     add_generation_prompt: bool = True) -> ProcessedRequest:
+        """A conversation rendered with the chat template, then processed as its prompt. The rendered text
+        carries the template's special tokens (BOS included, where the template writes one), so the tokenizer
+        adds none of its own, as vLLM does for chat."""
+        text = self.chat.render(messages, add_generation_prompt, chat_template)
+        self.check_prompt_size(text)
+        return self.process({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)},
+                            params, priority, timeout)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the vocabulary and this server's limits."""
@@ -74,9 +88,7 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            size = len(prompt.encode("utf-8", errors="surrogatepass"))
-            if size > self.limits.max_prompt_bytes:
-                raise ValueError(f"prompt: {size} bytes, at most {self.limits.max_prompt_bytes} allowed")
+            self.check_prompt_size(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -90,6 +102,11 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)):
             return None, self._id_list(prompt)
         raise ValueError(f"prompt: expected str, dict or list of token ids, got {type(prompt).__name__}")
+
+    def check_prompt_size(self, text: str) -> None:
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > self.limits.max_prompt_bytes:
+            raise ValueError(f"prompt: {size} bytes, at most {self.limits.max_prompt_bytes} allowed")
 
     @staticmethod
     def _id_list(ids) -> list[int]:

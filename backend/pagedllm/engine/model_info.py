@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, GenerationConfig
 
 from pagedllm.config import EngineConfig
+from pagedllm.models.checkpoint import eos_token_ids, load_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,10 +24,10 @@ class ModelInfo:
 
     @classmethod
     def resolve(cls, config: EngineConfig, tokenizer) -> ModelInfo:
-        hf = AutoConfig.from_pretrained(config.model)
+        hf = load_config(config.model)
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(hf, _resolve_dtype(config.dtype, hf), device, _resolve_max_model_len(config, hf),
-                   frozenset(_eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size)
+                   frozenset(eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size)
 
     @property
     def architecture(self) -> str:
@@ -51,12 +51,3 @@ def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:
         raise ValueError(f"max_model_len: {asked} exceeds the model's max_position_embeddings {limit}")
     return asked or limit
 
-
-def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> set[int]:
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = hf_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())

@@ -1,4 +1,5 @@
-"""Builds a registered model from its HF config and fills it from (possibly sharded) safetensors files.
+"""Builds a registered model from its HF config and fills it from (possibly sharded) safetensors files or a
+.gguf file (dequantized, pagedllm.models.gguf_checkpoint).
 
 Two separate steps, so that a caller can transform the built model before its weights load (the tensor-parallel
 transform makes each layer read only its rank's slice) and after (packing linears, fused ops): the caller
@@ -13,6 +14,8 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagedllm.models.checkpoint import gguf_file
+from pagedllm.models.gguf_checkpoint import gguf_tensors
 from pagedllm.models.registry import resolve_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,26 +48,36 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
     modules = dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     loaded: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard = _map_name(model, name)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-                param = params[target]
-                ckpt = f.get_slice(name)  # lazy: a sharded layer reads only its rows or columns
-                custom = getattr(modules[target.rsplit(".", 1)[0]], "load_weight", None)
-                if custom is not None:
-                    custom(param, shard, ckpt)
-                else:
-                    if list(param.shape) != list(ckpt.get_shape()):
-                        raise ValueError(f"{name}: shape {tuple(ckpt.get_shape())} != expected "
-                                         f"{tuple(param.shape)}")
-                    param.data.copy_(ckpt[:])
-                loaded.add(target if shard is None else f"{target}#{shard}")
+    for name, ckpt in _checkpoint_tensors(model_dir, model.config):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = _map_name(model, name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param = params[target]
+        custom = getattr(modules[target.rsplit(".", 1)[0]], "load_weight", None)
+        if custom is not None:
+            custom(param, shard, ckpt)
+        else:
+            shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+            if tuple(param.shape) != shape:
+                raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
+            param.data.copy_(ckpt[:])
+        loaded.add(target if shard is None else f"{target}#{shard}")
     _check_complete(params, modules, loaded, tied)
+
+
+def _checkpoint_tensors(model_dir: str, hf_config):
+    """(name, tensor) pairs: safetensors' are lazy slices (a sharded layer reads only its rows or columns), a
+    GGUF file's are dense tensors, dequantized one at a time."""
+    path = gguf_file(model_dir)
+    if path is not None:
+        yield from gguf_tensors(path, hf_config)
+        return
+    for file in safetensors_files(model_dir):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
 
 
 def _map_name(model, name: str) -> tuple[str, int | None]:

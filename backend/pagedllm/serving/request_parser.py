@@ -3,6 +3,8 @@
 Accepts both anchors' tensor contracts so existing tools work unchanged:
 - vllm_backend: text_input, stream, sampling_parameters (JSON; numbers may arrive as strings, as genai-perf
   sends them), exclude_input_in_output, return_* flags;
+- chat: `messages` (an OpenAI-format conversation as JSON) instead of text_input, rendered by the engine's
+  chat template; the output never repeats the prompt;
 - TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
   stop_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs, beam_width (1 only);
 - ours: priority, timeout (seconds).
@@ -30,7 +32,7 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class ParsedRequest:
-    prompt: str
+    prompt: str  # "" for a chat request
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -38,6 +40,7 @@ class ParsedRequest:
     timeout: float | None = None
     returns: set[str] = field(default_factory=set)  # which optional outputs to send
     pad_id: int | None = None  # TensorRT-LLM's; checked against the vocabulary (outputs are never padded)
+    messages: list | None = None  # a chat request's conversation (checked in full by the chat template)
 
 
 # sampling_parameters JSON keys -> (SamplingParams field, type)
@@ -66,7 +69,7 @@ _RETURN_FLAGS = {
     "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens", "return_log_probs": "cumulative_logprob",
 }
-KNOWN_INPUTS = ({"text_input", "stream", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
+KNOWN_INPUTS = ({"text_input", "messages", "stream", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
                  "stop_words", "bad_words", "end_id", "pad_id", "beam_width", "ignore_eos"}
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
 
@@ -79,11 +82,15 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     unknown = set(inputs) - KNOWN_INPUTS
     if unknown:
         raise InvalidRequest(f"unknown input(s): {', '.join(_show(n) for n in sorted(unknown))[:200]}")
-    if "text_input" not in inputs:
-        raise InvalidRequest("text_input: is required")
-    prompt = _text(inputs["text_input"], "text_input")
-    if not prompt:
-        raise InvalidRequest("text_input: is empty")
+    if ("text_input" in inputs) == ("messages" in inputs):
+        raise InvalidRequest("text_input or messages: exactly one is required")
+    messages = None
+    if "messages" in inputs:
+        messages, prompt = _parse_messages(_text(inputs["messages"], "messages"), limits), ""
+    else:
+        prompt = _text(inputs["text_input"], "text_input")
+        if not prompt:
+            raise InvalidRequest("text_input: is empty")
 
     kwargs: dict = {}
     if parameters:
@@ -117,31 +124,45 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         prompt=prompt,
         params=params,
         stream=stream,
-        exclude_input_in_output=_flag(inputs, "exclude_input_in_output"),
+        exclude_input_in_output=_flag(inputs, "exclude_input_in_output") or messages is not None,
         priority=_scalar(inputs["priority"], "priority", int) if "priority" in inputs else 0,
         timeout=_scalar(inputs["timeout"], "timeout", float) if "timeout" in inputs else None,
         returns=returns,
         pad_id=_scalar(inputs["pad_id"], "pad_id", int) if "pad_id" in inputs else None,
+        messages=messages,
     )
 
 
 def _parse_sampling_json(raw: str, limits: RequestLimits) -> dict:
-    size = len(raw.encode("utf-8", errors="surrogatepass"))
-    if size > limits.max_json_bytes:
-        raise InvalidRequest(f"sampling_parameters: {size} bytes of JSON, at most {limits.max_json_bytes} allowed")
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
-    except RecursionError:
-        raise InvalidRequest(f"sampling_parameters: JSON nested deeper than {limits.max_json_depth} levels") from None
-    except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise InvalidRequest(f"sampling_parameters: not valid JSON ({str(e).splitlines()[0][:120]})") from None
-    if _depth(obj) > limits.max_json_depth:
-        raise InvalidRequest(f"sampling_parameters: JSON nested deeper than {limits.max_json_depth} levels")
+    obj = _load_json(raw, "sampling_parameters", limits.max_json_bytes, limits.max_json_depth)
     if not isinstance(obj, dict):
         raise InvalidRequest("sampling_parameters: must be a JSON object")
     return _parse_sampling_dict(obj, "sampling_parameters")
+
+
+def _parse_messages(raw: str, limits: RequestLimits) -> list:
+    # A conversation is prompt text: it is bounded by the prompt's byte limit, not the small JSON one.
+    obj = _load_json(raw, "messages", limits.max_prompt_bytes, limits.max_json_depth)
+    if not isinstance(obj, list) or not obj:
+        raise InvalidRequest("messages: must be a non-empty JSON array of message objects")
+    return obj
+
+
+def _load_json(raw: str, name: str, max_bytes: int, max_depth: int):
+    size = len(raw.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise InvalidRequest(f"{name}: {size} bytes of JSON, at most {max_bytes} allowed")
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{name}: not valid JSON ({e.msg} at position {e.pos})") from None
+    except RecursionError:
+        raise InvalidRequest(f"{name}: JSON nested deeper than {max_depth} levels") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InvalidRequest(f"{name}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if _depth(obj) > max_depth:
+        raise InvalidRequest(f"{name}: JSON nested deeper than {max_depth} levels")
+    return obj
 
 
 def _depth(obj) -> int:

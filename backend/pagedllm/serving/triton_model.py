@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
 from pagedllm.config import EngineConfig, ServingConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.scheduler import QueueFullError
+from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
@@ -86,8 +86,8 @@ class TritonPythonModel:
         # Requests are tokenized and validated on Triton's thread with the adapter's own tokenizer; the engine
         # thread detokenizes with the engine's. The two are never shared across threads.
         cfg = self.engine_config
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits)
+        tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits, cfg.chat_template)
         if self._param("enable_metrics", "true").lower() == "true" and self.serving.enable_metrics:
             labels = {"model": self.model_name, "version": str(args["model_version"])}
             self.metrics = MetricsPublisher(pb_utils, lambda: self.loop.engine, labels, lambda: {
@@ -115,9 +115,10 @@ class TritonPythonModel:
             args = json.load(f)
         if "model" not in args:
             raise pb_utils.TritonModelException(f"{path}: 'model' (the checkpoint directory) is required")
-        for key in ("model", "tokenizer"):  # relative paths are relative to the version directory
-            if args.get(key) and not os.path.isabs(args[key]):
-                args[key] = os.path.normpath(os.path.join(version_dir, args[key]))
+        for key in ("model", "tokenizer", "chat_template"):  # relative paths are relative to the version directory
+            value = args.get(key)
+            if value and not os.path.isabs(value) and not (key == "chat_template" and "{" in value):
+                args[key] = os.path.normpath(os.path.join(version_dir, value))
         return args
 
     # --- Triton's thread ---------------------------------------------------------------------
@@ -139,7 +140,10 @@ class TritonPythonModel:
             parsed = parse_request(inputs, parameters, self.engine_config.limits)
             if parsed.pad_id is not None:
                 self.inputs.check_token_ids("pad_id", [parsed.pad_id])
-            processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
+            if parsed.messages is not None:
+                processed = self.inputs.process_chat(parsed.messages, parsed.params, parsed.priority, parsed.timeout)
+            else:
+                processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
         except (InvalidRequest, ValueError) as e:
             self._reject(channel, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
             return

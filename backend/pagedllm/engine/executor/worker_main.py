@@ -18,12 +18,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from pagedllm.attention.selector import BUILDERS
 from pagedllm.distributed import comm
 from pagedllm.engine.executor.multiproc import CHECK_IN_KEY, rank_device
 from pagedllm.engine.executor.worker import Worker
+from pagedllm.models.checkpoint import load_config
 
 logger = logging.getLogger("pagedllm.worker")
 
@@ -36,7 +36,7 @@ def serve_steps(group: comm.TensorParallelGroup, local_rank: int) -> None:
         torch.cuda.set_device(device)
     elif device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // ranks_per_host))
-    worker = Worker(spec, AutoConfig.from_pretrained(spec.model), device, group)
+    worker = Worker(spec, load_config(spec.model), device, group)
     num_blocks, backend_name = group.broadcast_object()
     worker.init_cache(num_blocks, BUILDERS[backend_name]())
     while (step := group.broadcast_object()) is not None:

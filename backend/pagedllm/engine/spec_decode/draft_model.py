@@ -12,7 +12,6 @@ draft's processed distribution, which the verifier needs as q.
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig
 
 from pagedllm.attention.torch_backend import TorchAttention
 from pagedllm.config import EngineConfig, SpeculativeConfig
@@ -25,6 +24,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.sampler import target_probs
 from pagedllm.engine.spec_decode.proposer import Draft
 from pagedllm.engine.step_inputs import StepRow, build_step_inputs
+from pagedllm.models.checkpoint import load_config
 
 
 class DraftSequence:
@@ -41,7 +41,7 @@ class DraftSequence:
 
 class DraftModelProposer:
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, info: ModelInfo) -> None:
-        hf = AutoConfig.from_pretrained(spec.model)
+        hf = load_config(spec.model)
         if hf.vocab_size != info.vocab_size:
             raise ValueError(f"speculative_config: the draft's vocabulary ({hf.vocab_size}) differs from the "
                              f"target's ({info.vocab_size})")

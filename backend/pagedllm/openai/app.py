@@ -1,0 +1,210 @@
+"""The FastAPI application: OpenAI's routes, server-sent events, and every error in OpenAI's format.
+
+Disconnects: a client that goes away cancels its Triton request at once, whether it was waiting for a whole
+completion, for the first token of a stream, or reading a stream: the work is raced against the ASGI
+`http.disconnect` message, and losing the race cancels the gRPC call (see triton_bridge.py).
+A stream's HTTP status is decided by its first model response: an error before any token gets its own status
+(400, 503, ...); an error after the first chunk can only go in the stream, as `data: {"error": {...}}` then
+`[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from pagedllm.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse,
+    validation_error,
+)
+from pagedllm.openai.responses import ChatResponse, CompletionResponse
+from pagedllm.openai.sampling import CHAT_PARAMS, COMPLETION_PARAMS, chat_sampling, completion_sampling
+from pagedllm.openai.triton_bridge import Delta, TritonBridge
+
+
+def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name: str | None = None) -> FastAPI:
+    served = served_model_name or model_name
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.bridge = TritonBridge(triton_url, model_name)  # in the server's event loop (grpc.aio)
+        yield
+        await app.state.bridge.close()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _add_error_handlers(app)
+
+    def check_model(name: str) -> None:
+        if name != served:
+            raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{served}`).",
+                              "model", "model_not_found")
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": created, "owned_by": "pagedllm"}
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if await request.app.state.bridge.is_ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "model": model_name}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse(CompletionRequest, await request.body())
+        check_model(body.model)
+        out = CompletionResponse(served, body.logprobs, _include_usage(body))
+        deltas = request.app.state.bridge.generate(out.id, completion_sampling(body), COMPLETION_PARAMS,
+                                                   prompt=body.prompt[0], logprobs=body.logprobs is not None)
+        return await _respond(request, out, deltas, bool(body.stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse(ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        out = ChatResponse(served, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body))
+        deltas = request.app.state.bridge.generate(out.id, chat_sampling(body), CHAT_PARAMS,
+                                                   messages=body.messages, logprobs=bool(body.logprobs))
+        return await _respond(request, out, deltas, bool(body.stream))
+
+    return app
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+async def _respond(request: Request, out, deltas: AsyncIterator[Delta], stream: bool) -> Response:
+    if not stream:
+        return await _until_disconnect(request, _collect(out, deltas))
+    first = await _until_disconnect(request, _first(deltas))  # an error here raises: a status of its own
+    if isinstance(first, Response):  # the client left while waiting
+        return first
+    return _EventStream(_events(out, first, deltas), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(out, deltas: AsyncIterator[Delta]) -> Response:
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            out.add(delta)
+    return JSONResponse(out.result())
+
+
+async def _first(deltas: AsyncIterator[Delta]) -> Delta | None:
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        return None
+
+
+async def _events(out, first: Delta | None, deltas: AsyncIterator[Delta]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(deltas):
+        try:
+            for chunk in out.start_chunks():
+                yield _event(chunk)
+            if first is not None:
+                for chunk in out.add(first):
+                    yield _event(chunk)
+            async for delta in deltas:
+                for chunk in out.add(delta):
+                    yield _event(chunk)
+            for chunk in out.end_chunks():
+                yield _event(chunk)
+        except OpenAIError as e:
+            yield _event(e.body())  # the status line is long gone: the error goes in the stream
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that always watches for the client's disconnect (Starlette does so only below ASGI
+    spec 2.4; above, a write fails first, which needs the next token) and always closes its generator, so the
+    Triton request is cancelled as soon as the client is gone, even while no token comes."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away in the middle of a write
+                        await self.stream_response(send)
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tasks.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def _until_disconnect(request: Request, work) -> object:
+    """The result of `work`, or (the client gone first) `work` cancelled and a 499 nobody will read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read: the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def reply(e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return reply(e)
+
+    # FastAPI's own validation (path parameters): a 400 too, never a 422.
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        return reply(validation_error([{**err, "loc": tuple(err["loc"])[1:]} for err in e.errors()]))
+
+    @app.exception_handler(HTTPException)  # unknown routes, wrong methods
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return reply(OpenAIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        return reply(OpenAIError(500, f"internal error: {type(e).__name__}: {e}"))

@@ -1,0 +1,35 @@
+"""`pagedllm openai`: the front end under uvicorn, against a Triton that is already running.
+
+SIGTERM or SIGINT makes uvicorn stop accepting connections and drain the ones open (streams included) for up
+to `--drain-timeout` seconds, then close the gRPC channel; `pagedllm serve` relies on that to stop the front
+end before Triton drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 9000
+
+
+def add_openai_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--triton-url", required=True, metavar="HOST:GRPCPORT", help="Triton's gRPC address")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--model-name", default="pagedllm", help="the Triton model to forward requests to")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as `model` (default: --model-name)")
+    p.add_argument("--drain-timeout", type=int, default=30, metavar="S",
+                   help="on SIGTERM/SIGINT, how long open requests may take to finish")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from pagedllm.openai.app import create_app
+
+    app = create_app(args.triton_url, args.model_name, args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
