@@ -16,6 +16,69 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's shape): exactly one of a JSON schema (`json`, a dict or its JSON
+    text), any JSON object (`json_object`), a regular expression, a choice among strings, or an EBNF/GBNF
+    grammar. The grammar engine (pagedllm.engine.structured_output) compiles it when the request arrives."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(self.KINDS)} is required, got "
+                             f"{given or 'none'}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice: must be a non-empty list of non-empty strings, got "
+                                 f"{_show(self.choice)}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string, got {_show(value)}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json: must be a JSON schema (an object or its JSON text), got "
+                             f"{_show(self.json)}")
+        if self.json_object not in (None, True):
+            raise ValueError(f"structured_outputs.json_object: must be true, got {_show(self.json_object)}")
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> StructuredOutputsParams:
+        if not isinstance(spec, dict):
+            raise ValueError(f"structured_outputs: expected an object, got {_show(spec)}")
+        unknown = sorted(set(spec) - set(cls.KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs: unsupported key(s) {unknown}; supported: {', '.join(cls.KINDS)}")
+        return cls(**spec)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        import json
+
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):  # the same schema as text or as an object: one key
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # not JSON: the compiler refuses it
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value if isinstance(value, str) else repr(value)
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation parameters.
@@ -42,8 +105,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (a dict is converted): the output follows a JSON schema, a regex, a choice, ...
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.stop = _as_list(self.stop, "stop", str)
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
         if self.top_k == -1:
@@ -81,6 +148,13 @@ class SamplingParams:
             ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "must be a boolean"),
             ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             ("output_kind", lambda: isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
+            ("structured_outputs", lambda: self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams), "must be StructuredOutputsParams"),
+            # The grammar ends a constrained output with EOS: a request that may not stop there cannot follow it.
+            ("ignore_eos", lambda: not (self.structured_outputs and self.ignore_eos),
+             "cannot be combined with structured_outputs (the grammar's end is an EOS token)"),
+            ("min_tokens", lambda: not (self.structured_outputs and self.min_tokens),
+             "cannot be combined with structured_outputs (the grammar decides where the output ends)"),
         ]
         for name, ok, msg in checks:
             if not ok():

@@ -247,7 +247,11 @@ def test_concurrent_requests_each_get_their_own_stream(client):
     ({"model": MODEL, "prompt": PROMPT, "suffix": "x"}, "suffix"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
     ({"model": MODEL, "prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    # an invalid schema, refused by the model's grammar compiler
+    ({"model": MODEL, "prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format.json"),
     ({"prompt": PROMPT}, "model"),
     ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, "temperature"),  # refused by the model itself
     # a stream's status, decided before its first token
@@ -329,6 +333,22 @@ def _alive(p: psutil.Process) -> bool:
 
 # --- lifecycle (last: it stops the server) -------------------------------------------------------------
 
+def test_response_format_json_schema_is_followed(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for seed in range(4):
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed,
+                                               max_tokens=64, response_format=fmt)
+        assert reply.choices[0].finish_reason == "stop"
+        got = json.loads(reply.choices[0].message.content)
+        assert set(got) == {"n", "ok"} and 0 <= got["n"] <= 99 and isinstance(got["ok"], bool)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=1, max_tokens=64,
+                                     extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert text.finish_reason == "length" or isinstance(json.loads(text.text, strict=False), dict)
+
+
 def test_sigterm_drains_the_front_end_first_then_everything_stops(served, client):
     assert f"OpenAI-compatible API at {served.base}/v1" in served.log.read_text()  # the banner
     family = psutil.Process(served.proc.pid).children(recursive=True)  # tritonserver, its stubs, the front end
@@ -364,3 +384,4 @@ def test_sigterm_drains_the_front_end_first_then_everything_stops(served, client
         time.sleep(0.1)
     with pytest.raises(OSError):
         http.client.HTTPConnection("127.0.0.1", served.openai_port, timeout=2).request("GET", "/health")
+

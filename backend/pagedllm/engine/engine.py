@@ -33,6 +33,7 @@ from pagedllm.engine.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.spec_decode.registry import make_proposer
 from pagedllm.engine.spec_decode.stats import SpecDecodeStats
 from pagedllm.engine.spec_decode.verifier import verify
+from pagedllm.engine.structured_output.request_grammar import GrammarMasks, RequestGrammar
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
@@ -59,6 +60,7 @@ class LLMEngine:
             raise
         fused = load_fused_ops() if config.fused_cpu_ops else None
         self.sampler = Sampler(config.seed, fused)
+        self.grammar_masks = GrammarMasks()
         self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -115,6 +117,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.model_info.eos_token_ids, self.config.cache.block_size,
                       prompt=processed.prompt, priority=processed.priority, arrival_time=now,
                       deadline=None if processed.timeout is None else now + processed.timeout, max_tokens=max_tokens)
+        if processed.grammar is not None:
+            req.grammar = RequestGrammar(processed.grammar)
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)
         return request_id
@@ -137,8 +141,10 @@ class LLMEngine:
         return self.executor.healthy
 
     def shutdown(self) -> None:
-        """Stop worker processes (tensor parallelism). Idempotent; the engine cannot step afterwards."""
+        """Stop worker processes (tensor parallelism) and the grammar-mask thread. Idempotent; the engine cannot
+        step afterwards."""
         self.executor.shutdown()
+        self.grammar_masks.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -160,8 +166,10 @@ class LLMEngine:
         step, sampling_rows = prepare_step(sched, self.kv, self.config.cache.block_size)
         if self.faults is not None:
             self.faults.check("forward", [s.request for s in sched.scheduled])
+        # Constrained rows' grammar masks are filled while the model runs (constrained requests have no drafts).
+        masks = self.grammar_masks.start([s.request for s in sampling_rows if not s.spec_tokens])
         logits = self.executor.execute_step(step)
-        emitted = self._sample(logits, sampling_rows, outputs) if sampling_rows else {}
+        emitted = self._sample(logits, sampling_rows, outputs, masks) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
         self._record_token_times(got)
@@ -201,8 +209,8 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest],
-                 outputs: list[RequestOutput]) -> dict[str, list[SampledToken]]:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], outputs: list[RequestOutput],
+                masks=None) -> dict[str, list[SampledToken]]:
         """Tokens emitted per request: one from the sampler, or from verifying a request's draft tokens. A
         request whose sampling or verification fails is finished with an error (its output joins `outputs`)."""
         starts, at = [], 0
@@ -214,6 +222,7 @@ class LLMEngine:
         if plain:
             # Without drafts every row is one plain row, in order: no copy of the logits.
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
+            GrammarMasks.apply(picked, masks)  # the constrained rows' (in place; the others untouched)
             for i, token in zip(plain, self._sample_isolated(picked, [rows[i].request for i in plain], outputs)):
                 if token is not None:
                     out[rows[i].request.request_id] = [token]
@@ -259,8 +268,9 @@ class LLMEngine:
         wanted = []
         for req in self.scheduler.running:
             p = req.sampling_params
+            # Constrained requests are not speculated: their drafts would need checking against the grammar.
             if (req.num_computed_tokens != req.num_tokens - 1 or p.needs_penalties or p.logprobs is not None
-                    or req.num_output_tokens < p.min_tokens):
+                    or req.num_output_tokens < p.min_tokens or req.grammar is not None):
                 continue
             wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
         failed: list[RequestOutput] = []

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pagedllm.config import RequestLimits
 from pagedllm.engine.chat_template import ChatTemplate
 from pagedllm.engine.model_info import ModelInfo
+from pagedllm.engine.structured_output.compiler import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
@@ -25,6 +26,7 @@ class ProcessedRequest:
     params: SamplingParams
     priority: int = 0
     timeout: float | None = None  # seconds from arrival
+    grammar: object | None = None  # the compiled grammar of params.structured_outputs
 
 
 class InputProcessor:
@@ -32,6 +34,7 @@ class InputProcessor:
                  chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat = ChatTemplate(tokenizer, chat_template)
+        self._grammar_compiler: GrammarCompiler | None = None  # made on the first constrained request
         self.info = info
         self.limits = limits or RequestLimits()
         default = info.max_model_len - 1
@@ -51,7 +54,15 @@ class InputProcessor:
             raise ValueError(f"priority: must be a 64-bit integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
-        return ProcessedRequest(text, ids, params, priority, timeout)
+        return ProcessedRequest(text, ids, params, priority, timeout, self.compile_grammar(params))
+
+    def compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)
 
     def process_chat(self, messages, params: SamplingParams | None = None, priority: int = 0,
                      timeout: float | None = None, chat_template: str | None = None,

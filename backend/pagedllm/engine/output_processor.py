@@ -107,6 +107,8 @@ class OutputProcessor:
         before = req.num_output_tokens - len(tokens)
         for j, token in enumerate(tokens):
             n = before + j + 1
+            if req.grammar is not None:  # a token the grammar refuses fails this request alone
+                req.grammar.accept(token.token_id)
             status = check_stop(req, self.max_model_len, n)
             # An EOS or stop token ends the request without adding its text (as vLLM does).
             stopped_by_token = status == RequestStatus.FINISHED_STOPPED

@@ -89,6 +89,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
+        self.grammar = None  # RequestGrammar of a structured-output request (engine.structured_output)
         self.spec_draft_probs = None  # their draft distributions [k, V] when a sampled draft model made them
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0

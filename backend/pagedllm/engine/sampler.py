@@ -1,7 +1,8 @@
 """Turns the logits of the rows that sample this step into tokens (and logprobs), one row per request.
 
 Order of processing (as in vLLM): penalties, min_tokens masking, then greedy argmax, or temperature, top-k,
-top-p, min-p and a draw. A request with a seed draws from its own generator, so its tokens do not depend on
+top-p, min-p and a draw. (A structured-output request's grammar mask is applied to its logits before, by the
+engine: engine.structured_output.) A request with a seed draws from its own generator, so its tokens do not depend on
 what else is in the batch.
 """
 

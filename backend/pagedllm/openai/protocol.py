@@ -53,8 +53,24 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema need structured output (not built yet)
+    """OpenAI's response_format: text, any JSON object, or a JSON schema (structured output)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError("response_format.json_schema", "is required with type json_schema, and only then")
+        return self
 
 
 class RequestBase(_Strict):

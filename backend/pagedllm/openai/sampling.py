@@ -17,7 +17,14 @@ _PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequenc
 
 
 def _common(req: RequestBase) -> dict:
-    return {k: getattr(req, k) for k in _PASSED if getattr(req, k) is not None}
+    out = {k: getattr(req, k) for k in _PASSED if getattr(req, k) is not None}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        out["structured_outputs"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":  # no schema given: any JSON object, as OpenAI's
+        schema = fmt.json_schema.schema_
+        out["structured_outputs"] = {"json": schema} if schema is not None else {"json_object": True}
+    return out
 
 
 def completion_sampling(req: CompletionRequest) -> dict:
@@ -40,5 +47,5 @@ def chat_sampling(req: ChatCompletionRequest) -> dict:
 
 
 # The model's error messages name its own keys: the request field each came from, per endpoint.
-COMPLETION_PARAMS = {"text_input": "prompt"}
-CHAT_PARAMS = {"text_input": "messages", "logprobs": "top_logprobs"}
+COMPLETION_PARAMS = {"text_input": "prompt", "structured_outputs": "response_format"}
+CHAT_PARAMS = {"text_input": "messages", "logprobs": "top_logprobs", "structured_outputs": "response_format"}

@@ -6,7 +6,9 @@ Accepts both anchors' tensor contracts so existing tools work unchanged:
 - chat: `messages` (an OpenAI-format conversation as JSON) instead of text_input, rendered by the engine's
   chat template; the output never repeats the prompt;
 - TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
-  stop_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs, beam_width (1 only);
+  stop_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs, beam_width (1 only),
+  guided_decoding_guide_type + guided_decoding_guide (structured output; `structured_outputs` /
+  `guided_decoding` in sampling_parameters is vllm_backend's way: serving/structured_inputs.py);
 - ours: priority, timeout (seconds).
 Pure Python over numpy arrays (no Triton import), so it is unit-testable. Every problem (a wrong type or shape,
 non-UTF-8 bytes, JSON that is broken, too large or too deep, a number out of range) raises InvalidRequest with a
@@ -24,6 +26,7 @@ import numpy as np
 
 from pagedllm.config import RequestLimits
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.serving import structured_inputs
 
 
 class InvalidRequest(ValueError):
@@ -69,7 +72,7 @@ _RETURN_FLAGS = {
     "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens", "return_log_probs": "cumulative_logprob",
 }
-KNOWN_INPUTS = ({"text_input", "messages", "stream", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
+KNOWN_INPUTS = ({"text_input", "messages", "stream", "guided_decoding_guide_type", "guided_decoding_guide", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
                  "stop_words", "bad_words", "end_id", "pad_id", "beam_width", "ignore_eos"}
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
 
@@ -106,6 +109,16 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise InvalidRequest("bad_words: is not supported")
     if "end_id" in inputs:
         kwargs["stop_token_ids"] = kwargs.get("stop_token_ids", []) + [_scalar(inputs["end_id"], "end_id", int)]
+    if "guided_decoding_guide_type" in inputs:
+        guide = _text(inputs["guided_decoding_guide"], "guided_decoding_guide") if "guided_decoding_guide" in inputs \
+            else None
+        try:
+            kwargs["structured_outputs"] = structured_inputs.from_trtllm(
+                _text(inputs["guided_decoding_guide_type"], "guided_decoding_guide_type"), guide)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+    elif "guided_decoding_guide" in inputs:
+        raise InvalidRequest("guided_decoding_guide: needs guided_decoding_guide_type")
     if "ignore_eos" in inputs:
         kwargs["ignore_eos"] = _flag(inputs, "ignore_eos")
     if "beam_width" in inputs and _scalar(inputs["beam_width"], "beam_width", int) != 1:
@@ -188,6 +201,12 @@ def _parse_sampling_dict(obj: dict, where: str) -> dict:
             if value is not None or None not in allowed:
                 if _coerce(value, kind, name) not in allowed:
                     raise InvalidRequest(f"{name}: only {allowed[-1]!r} is supported, got {_show(value)}")
+        elif key in ("structured_outputs", "guided_decoding"):
+            if value is not None:
+                try:
+                    out["structured_outputs"] = structured_inputs.from_vllm(value, name)
+                except ValueError as e:
+                    raise InvalidRequest(str(e)) from None
         elif key in _JSON_PARAMS:
             out[key] = None if value is None and key in _NULLABLE else _coerce(value, _JSON_PARAMS[key], name)
         elif key in _JSON_LIST_PARAMS:

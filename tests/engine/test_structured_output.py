@@ -1,0 +1,138 @@
+"""Structured output: with the random tiny model sampling at temperature 1, the grammar alone makes outputs valid.
+Every constrained output that ends by itself parses and validates (JSON schema), fully matches (regex), is a
+choice, or derives from the grammar; free requests in the same batch are unaffected; invalid specs are refused
+by name; speculative decoding leaves constrained requests alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import jsonschema
+import pytest
+
+from conftest import assert_all_blocks_free
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
+
+ENGINE = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 1 << 25, "max_num_seqs": 32}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+REGEX = r"[a-z]{2,5}-\d{1,3}(\.\d)?"
+CHOICES = ["red", "green", "blue", "dark blue", "a.b (c)?"]
+GRAMMAR = 'root ::= "(" num tail? tail? tail? ")"\ntail ::= op num\nop ::= "+" | "*"\nnum ::= [1-9] [0-9]?'
+GRAMMAR_RE = r"\([1-9][0-9]?([+*][1-9][0-9]?){0,3}\)"
+
+
+def _json(text: str):
+    """Parsed JSON. strict=False admits raw control characters inside strings: xgrammar 0.2.9's rule for a
+    length-bounded string (maxLength) lets them through, where RFC 8259 wants them escaped; everything else
+    about the text is checked."""
+    return json.loads(text, strict=False)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, **ENGINE)
+
+
+def _sampled(llm, spec, n, seed0=0, prompts=("def main():", "import os", "x = 1\n", "class A:")):
+    params = [SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=96, structured_outputs=spec)
+              for i in range(n)]
+    return [o.outputs[0] for o in llm.generate([prompts[i % len(prompts)] for i in range(n)], params, use_tqdm=False)]
+
+
+def test_two_hundred_sampled_outputs_all_follow_their_constraint(llm):
+    outs = {"json": _sampled(llm, {"json": SCHEMA}, 60), "regex": _sampled(llm, {"regex": REGEX}, 50, 100),
+            "choice": _sampled(llm, {"choice": CHOICES}, 50, 200),
+            "grammar": _sampled(llm, {"grammar": GRAMMAR}, 40, 300)}
+    assert sum(map(len, outs.values())) == 200
+    for kind, items in outs.items():  # every one ended by the grammar (EOS), none cut by max_tokens
+        assert Counter(o.finish_reason for o in items) == {"stop": len(items)}, (kind, [o.text for o in items])
+    for o in outs["json"]:
+        jsonschema.validate(_json(o.text), SCHEMA)
+    assert all(re.fullmatch(REGEX, o.text) for o in outs["regex"]), [o.text for o in outs["regex"]]
+    assert all(o.text in CHOICES for o in outs["choice"])
+    assert len({o.text for o in outs["choice"]}) >= 2  # sampled, not a fixed answer
+    assert all(re.fullmatch(GRAMMAR_RE, o.text) for o in outs["grammar"]), [o.text for o in outs["grammar"]]
+    assert_all_blocks_free(llm)
+
+
+def test_json_object_outputs_that_end_are_objects(llm):
+    outs = _sampled(llm, {"json_object": True}, 24, 400)
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done
+    assert all(isinstance(_json(o.text), dict) for o in done)
+
+
+def test_a_mixed_batch_leaves_the_free_requests_as_they_were(llm):
+    prompts = ["def f(x):", "import sys", "for i in range(3):", "print("]
+    free = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], free, use_tqdm=False)]
+    constrained = [SamplingParams(temperature=1.0, seed=9, max_tokens=64, structured_outputs={"regex": REGEX}),
+                   SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": SCHEMA})]
+    mixed = llm.generate(prompts, free + constrained, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert re.fullmatch(REGEX, mixed[2].outputs[0].text)
+    jsonschema.validate(_json(mixed[3].outputs[0].text), SCHEMA)
+
+
+def test_preemption_keeps_the_grammar_state(llama_dir):
+    """A budget of a few blocks forces recomputes mid-output; the outputs still follow their grammar and
+    equal the unpreempted ones."""
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs={"json": SCHEMA})
+              for i in range(6)]
+    prompts = ["x" * 60 + str(i) for i in range(6)]
+    short = {**ENGINE, "max_model_len": 128}
+    roomy = LLM(llama_dir, **short).generate(prompts, params, use_tqdm=False)
+    block_bytes = 2 * 2 * 2 * 32 * 16 * 4  # layers x (K, V) x KV heads x head_dim x block size x fp32
+    tight = LLM(llama_dir, **{**short, "kv_cache_memory_bytes": 10 * block_bytes})  # 6 requests need ~30
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions > 0
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in roomy]
+    for o in outs:
+        jsonschema.validate(_json(o.outputs[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"json": '{"type": "objectx"}'}, "structured_outputs.json: Unsupported type"),
+    ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
+    ({"regex": "a(b"}, "structured_outputs.regex: Regex parsing error"),
+    ({"grammar": "root ::= "}, "structured_outputs.grammar: EBNF parser error"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+    ({"choice": []}, "structured_outputs.choice: must be a non-empty list"),
+    ({"choice": ["ok", 3]}, "structured_outputs.choice"),
+])
+def test_invalid_specs_are_refused_naming_the_problem(llm, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("x", SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_combinations_that_cannot_end_are_refused():
+    with pytest.raises(ValueError, match="ignore_eos: cannot be combined"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="min_tokens: cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
+
+
+def test_grammars_compile_once_per_spec(llm):
+    compiler = llm.engine.input_processor
+    a = compiler.compile_grammar(SamplingParams(structured_outputs={"json": SCHEMA}))
+    b = compiler.compile_grammar(SamplingParams(structured_outputs={"json": json.dumps(SCHEMA)}))
+    assert a is b  # the same schema as a dict or as text is one cache entry
+
+
+def test_speculation_skips_constrained_requests(llama_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(llama_dir, **ENGINE, speculative_config=spec)
+    prompt = "ab-12 ab-12 ab-12 ab-12 ab-"  # a prompt the n-gram proposer would draft from
+    outs = llm.generate([prompt] * 4, [SamplingParams(temperature=0, max_tokens=32,
+                                                      structured_outputs={"regex": REGEX})] * 4, use_tqdm=False)
+    assert all(re.fullmatch(REGEX, o.outputs[0].text) for o in outs)
+    assert llm.get_stats().spec_decode_num_draft_tokens == 0
