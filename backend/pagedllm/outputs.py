@@ -38,6 +38,8 @@ class RequestMetrics:
     first_token_time: float | None
     last_token_time: float | None
     finished_time: float | None
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and how many were accepted
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -50,3 +52,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # with finish_reason "error": what failed (this request only)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None); in DELTA outputs, the first only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

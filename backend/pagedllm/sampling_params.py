@@ -107,11 +107,29 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding (a dict is converted): the output follows a JSON schema, a regex, a choice, ...
     structured_outputs: StructuredOutputsParams | None = None
+    # Token-level controls (vLLM's): a bias added to chosen tokens' logits (OpenAI's range, [-100, 100]); the
+    # only tokens that may be sampled; words never to generate (each tokenized with and without a leading space;
+    # a word's last token is banned where the output ends with its other tokens).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text
+    # Keep only the prompt's last k tokens (vLLM's truncate_prompt_tokens; None keeps all).
+    truncate_prompt_tokens: int | None = None
+    # False: token ids only, the text stays empty (no stop strings then, as in vLLM).
+    detokenize: bool = True
+    # Logprobs of the prompt's tokens (vLLM's): per position after the first, the actual token's plus the top k.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.stop = _as_list(self.stop, "stop", str)
+        self.bad_words = _as_list(self.bad_words, "bad_words", str)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list(self.allowed_token_ids, "allowed_token_ids", int)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
         if self.top_k == -1:
             self.top_k = 0
@@ -148,6 +166,22 @@ class SamplingParams:
             ("ignore_eos", lambda: isinstance(self.ignore_eos, bool), "must be a boolean"),
             ("skip_special_tokens", lambda: isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             ("output_kind", lambda: isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
+            ("logit_bias", lambda: self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _int(k) and k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
+             "must map token ids to numbers in [-100, 100]"),
+            ("allowed_token_ids", lambda: self.allowed_token_ids is None
+             or (bool(self.allowed_token_ids) and all(t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of token ids"),
+            ("bad_words", lambda: all(self.bad_words), "must be non-empty strings"),
+            ("include_stop_str_in_output", lambda: isinstance(self.include_stop_str_in_output, bool),
+             "must be a boolean"),
+            ("truncate_prompt_tokens", lambda: self.truncate_prompt_tokens is None or (
+                _int(self.truncate_prompt_tokens) and 1 <= self.truncate_prompt_tokens <= MAX_INT32),
+             "must be an integer in [1, 2^31 - 1]"),
+            ("detokenize", lambda: isinstance(self.detokenize, bool), "must be a boolean"),
+            ("prompt_logprobs", lambda: self.prompt_logprobs is None or (
+                _int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_INT32), "must be an integer >= 0"),
+            ("stop", lambda: self.detokenize or not self.stop, "stop strings need detokenize=True"),
             ("structured_outputs", lambda: self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams), "must be StructuredOutputsParams"),
             # The grammar ends a constrained output with EOS: a request that may not stop there cannot follow it.
@@ -163,6 +197,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_token_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def needs_penalties(self) -> bool:
@@ -192,6 +230,13 @@ def _as_list(value, name: str, kind: type) -> list:
                                                         for v in value):
         raise ValueError(f"{name}: must be a list of {'strings' if kind is str else 'token ids'}, got {_show(value)}")
     return list(value)
+
+
+def _token_key(key):
+    """logit_bias keys: token ids, or their decimal strings (OpenAI's JSON keys are strings)."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+        return int(key)
+    return key
 
 
 def _show(value) -> str:

@@ -181,3 +181,15 @@ def test_rejection_sampling_with_a_draft_distribution():
     assert _chi_square(counts, p.tolist(), n) < 20.5
     naive = [n * float(x) for x in q]  # accepting every draft would reproduce q instead
     assert _chi_square(naive, p.tolist(), n) > 20.5
+
+
+def test_per_request_draft_counts_add_up_to_the_engine_totals(llama_dir):
+    """What return_perf_metrics reports per request (acceptance_rate, total_draft_tokens, ...)."""
+    spec = LLM(llama_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20,
+               speculative_config=SPEC)
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    outs = spec.generate([{"prompt_token_ids": p} for p in repetitive_prompts()], params, use_tqdm=False)
+    s = spec.get_stats()
+    assert sum(o.metrics.num_draft_tokens for o in outs) == s.spec_decode_num_draft_tokens
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) == s.spec_decode_num_accepted_tokens > 0
+    assert all(o.metrics.num_accepted_draft_tokens <= o.metrics.num_draft_tokens for o in outs)

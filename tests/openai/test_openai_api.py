@@ -242,7 +242,7 @@ def test_concurrent_requests_each_get_their_own_stream(client):
     ({"model": MODEL, "prompt": PROMPT, "frobnicate": 1}, "frobnicate"),  # an unknown field
     ({"model": MODEL, "prompt": PROMPT, "n": 2}, "n"),
     ({"model": MODEL, "prompt": PROMPT, "best_of": 3}, "best_of"),
-    ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"42": 5}}, "logit_bias"),
+    ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"42": 500}}, "logit_bias"),  # out of [-100, 100]
     ({"model": MODEL, "prompt": PROMPT, "echo": True}, "echo"),
     ({"model": MODEL, "prompt": PROMPT, "suffix": "x"}, "suffix"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
@@ -279,7 +279,7 @@ def test_bad_chat_requests_are_openai_400s(served, extra, param):
 
 
 def test_the_sdk_raises_bad_request(client):
-    for kw in ({"n": 2}, {"logit_bias": {"42": 5}}, {"max_tokens": "many"}):
+    for kw in ({"n": 2}, {"logit_bias": {"42": 500}}, {"max_tokens": "many"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, **kw)
         assert e.value.status_code == 400 and e.value.param == next(iter(kw))

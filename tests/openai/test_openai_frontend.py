@@ -195,6 +195,17 @@ def test_request_fields_become_sampling_parameters(bridge, client):
     assert bridge.calls[-1]["sampling"] == {}  # a chat runs to a stop or the context's end, as OpenAI's
 
 
+def test_token_controls_are_forwarded(bridge, client):
+    bridge.script = [done("ok")]
+    controls = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "include_stop_str_in_output": True,
+                "truncate_prompt_tokens": 4}
+    client.completions.create(model=MODEL, prompt="p", logit_bias={"42": 5, "7": -100}, extra_body=controls)
+    assert bridge.calls[-1]["sampling"] == {"logit_bias": {"42": 5, "7": -100}, **controls, "max_tokens": 16}
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logit_bias={"3": 1},
+                                   extra_body=controls)
+    assert bridge.calls[-1]["sampling"] == {"logit_bias": {"3": 1}, **controls}
+
+
 def test_health_follows_the_model(bridge):
     with urllib.request.urlopen(bridge.base + "/health") as r:
         assert r.status == 200

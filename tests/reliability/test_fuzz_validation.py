@@ -17,7 +17,8 @@ from pagedllm.serving.request_parser import KNOWN_INPUTS, InvalidRequest, Parsed
 
 FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
           "min_tokens", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "skip_special_tokens", "best_of", "detokenize", "include_stop_str_in_output"]
+          "skip_special_tokens", "best_of", "detokenize", "include_stop_str_in_output", "logit_bias",
+          "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs"]
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.one_of(
@@ -85,7 +86,7 @@ def test_the_request_parser_returns_a_request_or_a_clear_error(req):
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from(FIELDS[:16]), json_values, max_size=6))
+@given(st.dictionaries(st.sampled_from(FIELDS[:16] + FIELDS[17:]), json_values, max_size=6))
 def test_sampling_params_are_valid_or_refused_with_a_clear_error(kwargs):
     try:
         params = SamplingParams(**kwargs)

@@ -112,8 +112,8 @@ GRPC_CASES = [
     ("tensor temperature infinite", lambda: grpc_inputs(
         "hi", None, temperature=(np.array([np.inf], dtype=F32), "FP32")), "temperature"),
     ("tensor top_p NaN", lambda: grpc_inputs("hi", None, top_p=(np.array([np.nan], dtype=F32), "FP32")), "top_p"),
-    ("tensor bad_words", lambda: grpc_inputs("hi", None, bad_words=(np.array([b"x"], dtype=np.object_), "BYTES")),
-     "bad_words"),
+    ("tensor bad_words not UTF-8", lambda: grpc_inputs(
+        "hi", None, bad_words=(np.array([b"\xff"], dtype=np.object_), "BYTES")), "bad_words"),
     ("tensor stop_words not UTF-8", lambda: grpc_inputs(
         "hi", None, stop_words=(np.array([b"\xc3\x28"], dtype=np.object_), "BYTES")), "UTF-8"),
     ("tensor priority of the wrong type", lambda: grpc_inputs(

@@ -27,6 +27,7 @@ from pagedllm.engine.kv_sizing import KVGeometry, check_room_for_one_request
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.prompt_logprobs import record_prompt_logprobs
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.sampler import SampledToken, Sampler
 from pagedllm.engine.scheduler import ScheduledRequest, Scheduler
@@ -119,6 +120,7 @@ class LLMEngine:
                       deadline=None if processed.timeout is None else now + processed.timeout, max_tokens=max_tokens)
         if processed.grammar is not None:
             req.grammar = RequestGrammar(processed.grammar)
+        req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)
         return request_id
@@ -163,12 +165,18 @@ class LLMEngine:
             self.observations.add(ITERATION_TOKENS, sched.num_tokens)
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
-        step, sampling_rows = prepare_step(sched, self.kv, self.config.cache.block_size)
+        step, sampling_rows, prompt_logits = prepare_step(sched, self.kv, self.config.cache.block_size)
         if self.faults is not None:
             self.faults.check("forward", [s.request for s in sched.scheduled])
         # Constrained rows' grammar masks are filled while the model runs (constrained requests have no drafts).
         masks = self.grammar_masks.start([s.request for s in sampling_rows if not s.spec_tokens])
         logits = self.executor.execute_step(step)
+        if prompt_logits is not None:  # prompt logprobs recorded, and their rows dropped before sampling
+            tok = self.output_processor.tokenizer
+            for s, at, first, n in prompt_logits.rows:
+                decode = (lambda t: tok.decode([t])) if s.request.sampling_params.detokenize else None
+                record_prompt_logprobs(s.request, logits[at:at + n], first, decode)
+            logits = logits[prompt_logits.keep]
         emitted = self._sample(logits, sampling_rows, outputs, masks) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
@@ -238,6 +246,8 @@ class LLMEngine:
                 outputs.append(self._fail_request(s.request, e))
                 continue
             self.spec_stats.record(k, len(ids) - 1)
+            s.request.num_draft_tokens += k
+            s.request.num_accepted_draft_tokens += len(ids) - 1
             out[s.request.request_id] = [SampledToken(t, None, None, None) for t in ids]
         return out
 
@@ -268,9 +278,9 @@ class LLMEngine:
         wanted = []
         for req in self.scheduler.running:
             p = req.sampling_params
-            # Constrained requests are not speculated: their drafts would need checking against the grammar.
+            # Constrained requests (a grammar, token controls) are not speculated: verification knows neither.
             if (req.num_computed_tokens != req.num_tokens - 1 or p.needs_penalties or p.logprobs is not None
-                    or req.num_output_tokens < p.min_tokens or req.grammar is not None):
+                    or req.num_output_tokens < p.min_tokens or req.grammar is not None or p.has_token_controls):
                 continue
             wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
         failed: list[RequestOutput] = []

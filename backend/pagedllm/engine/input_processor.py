@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedllm.config import RequestLimits
 from pagedllm.engine.chat_template import ChatTemplate
+from pagedllm.engine.logits_controls import tokenize_bad_words
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.structured_output.compiler import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class ProcessedRequest:
     priority: int = 0
     timeout: float | None = None  # seconds from arrival
     grammar: object | None = None  # the compiled grammar of params.structured_outputs
+    bad_words_token_ids: tuple = ()  # params.bad_words tokenized (engine.logits_controls)
 
 
 class InputProcessor:
@@ -53,8 +55,11 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -2 ** 63 <= priority < 2 ** 63:
             raise ValueError(f"priority: must be a 64-bit integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (the text stays as given)
+            ids = ids[-params.truncate_prompt_tokens:]
         self.check_prompt(ids)
-        return ProcessedRequest(text, ids, params, priority, timeout, self.compile_grammar(params))
+        return ProcessedRequest(text, ids, params, priority, timeout, self.compile_grammar(params),
+                                tuple(tokenize_bad_words(self.tokenizer, params.bad_words)))
 
     def compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
@@ -87,8 +92,17 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids: {len(params.stop_token_ids)} ids, at most {lim.max_stop_token_ids} "
                              "allowed")
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.logit_bias:
+            self.check_token_ids("logit_bias", list(params.logit_bias))
+        if params.allowed_token_ids is not None:
+            self.check_token_ids("allowed_token_ids", params.allowed_token_ids)
+        if len(params.bad_words) > lim.max_stop_strings:
+            raise ValueError(f"bad_words: {len(params.bad_words)} words, at most {lim.max_stop_strings} allowed")
         if params.logprobs is not None and params.logprobs > lim.max_logprobs:
             raise ValueError(f"logprobs: {params.logprobs} requested, at most {lim.max_logprobs} allowed")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > lim.max_logprobs:
+            raise ValueError(f"prompt_logprobs: {params.prompt_logprobs} requested, at most {lim.max_logprobs} "
+                             "allowed")
 
     def check_token_ids(self, name: str, ids: list[int]) -> None:
         """Every id in [0, vocab_size): an id outside would index past the embedding or the logits."""

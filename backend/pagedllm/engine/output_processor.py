@@ -33,14 +33,16 @@ class RequestState:
         self.cumulative_logprob = 0.0
         self.sent_text = 0  # characters, tokens and logprob entries handed out in earlier DELTA outputs
         self.sent_tokens = 0
+        self.sent_prompt_logprobs = False  # a DELTA output hands them out once, in the first output
         self.stopped_by_string = False
+        self.detokenize = params.detokenize  # False: token ids only, the text stays empty (vLLM's)
 
     def add_token(self, sampled: SampledToken, with_text: bool) -> bool:
         """Record the request's newest token; True if a stop string appeared (the text is cut before it)."""
         if self.logprobs is not None:
             self.cumulative_logprob += sampled.logprob
             self.logprobs.append(self._logprob_entry(sampled))
-        if not with_text:
+        if not with_text or not self.detokenize:
             return False
         delta = self.detok.add(sampled.token_id)
         if not delta:
@@ -51,15 +53,16 @@ class RequestState:
         if not hits:
             return False
         idx, stop = min(hits)
-        self.text = self.text[:idx]
+        self.text = self.text[:idx + (len(stop) if self.req.sampling_params.include_stop_str_in_output else 0)]
         self.req.stop_reason = stop
         self.stopped_by_string = True
         return True
 
     def _logprob_entry(self, s: SampledToken) -> dict[int, Logprob]:
-        entry = {s.token_id: Logprob(s.logprob, s.rank, self.tokenizer.decode([s.token_id]))}
+        decode = (lambda t: self.tokenizer.decode([t])) if self.detokenize else (lambda t: None)
+        entry = {s.token_id: Logprob(s.logprob, s.rank, decode(s.token_id))}
         for rank, (tok, lp) in enumerate(s.top_logprobs or (), start=1):
-            entry.setdefault(tok, Logprob(lp, rank, self.tokenizer.decode([tok])))
+            entry.setdefault(tok, Logprob(lp, rank, decode(tok)))
         return entry
 
     def output(self) -> RequestOutput | None:
@@ -67,7 +70,7 @@ class RequestState:
         or a DELTA with no new visible text)."""
         req = self.req
         finished = req.is_finished
-        if finished and not self.stopped_by_string:
+        if finished and not self.stopped_by_string and self.detokenize:
             self.text += self.detok.flush()
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
@@ -86,9 +89,14 @@ class RequestState:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=logprobs, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 req.last_token_time, req.finished_time)
+                                 req.last_token_time, req.finished_time, req.num_draft_tokens,
+                                 req.num_accepted_draft_tokens)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            prompt_logprobs = list(req.prompt_logprobs)
+            self.sent_prompt_logprobs = self.kind == RequestOutputKind.DELTA
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, metrics, req.error)
+                             req.num_cached_tokens, metrics, req.error, prompt_logprobs)
 
 
 class OutputProcessor:

@@ -89,10 +89,16 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
+        self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, tokenized
+        # sampling_params.prompt_logprobs: one entry per prompt token so far (the first None), filled as the
+        # prompt's logits come back (engine.prompt_logprobs)
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
         self.grammar = None  # RequestGrammar of a structured-output request (engine.structured_output)
         self.spec_draft_probs = None  # their draft distributions [k, V] when a sampled draft model made them
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request, and accepted
+        self.num_accepted_draft_tokens = 0
 
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
@@ -120,6 +126,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while prompt logprobs are asked for and not all recorded: its prompt rows return logits (and it
+        takes nothing from the prefix cache, whose positions would never be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,6 +1,6 @@
 """Turns the logits of the rows that sample this step into tokens (and logprobs), one row per request.
 
-Order of processing (as in vLLM): penalties, min_tokens masking, then greedy argmax, or temperature, top-k,
+Order of processing (as in vLLM): penalties, logit_bias / allowed_token_ids / bad_words, min_tokens masking, then greedy argmax, or temperature, top-k,
 top-p, min-p and a draw. (A structured-output request's grammar mask is applied to its logits before, by the
 engine: engine.structured_output.) A request with a seed draws from its own generator, so its tokens do not depend on
 what else is in the batch.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.engine.logits_controls import apply_token_controls
 from pagedllm.engine.request import Request
 from pagedllm.models.layers.fused import fused_for
 from pagedllm.sampling_params import SamplingParams
@@ -35,7 +36,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampledToken]:
         simple = all(r.sampling_params.greedy and r.sampling_params.logprobs is None and
-                     not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens for r in reqs)
+                     not r.sampling_params.needs_penalties and not r.sampling_params.min_tokens
+                     and not r.sampling_params.has_token_controls for r in reqs)
         if simple:  # argmax in the logits' own dtype (fp32 conversion is exact: the same winner, the same ties)
             fused = fused_for(self.fused_ops, logits)
             ids = fused.argmax(logits) if fused is not None else logits.max(dim=-1).indices
@@ -59,6 +61,8 @@ class Sampler:
             p = req.sampling_params
             if p.needs_penalties:
                 _apply_penalties(logits[i], req)
+            if p.has_token_controls:
+                apply_token_controls(logits[i], req)
             if req.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else req.eos_token_ids)
                 if banned:

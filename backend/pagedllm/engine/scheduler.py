@@ -131,7 +131,7 @@ class Scheduler:
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             hits, num_hit_tokens = ([], 0)
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit_tokens
             if n > budget:

@@ -77,17 +77,40 @@ def build_step_inputs(rows: list[StepRow], block_size: int) -> tuple[StepInputs,
     return step, order
 
 
+@dataclass
+class PromptLogits:
+    """The logit rows of prompt positions (a request that wants prompt logprobs) in a step's logits."""
+
+    rows: list[tuple[ScheduledRequest, int, int, int]]  # (entry, first logit row, first position, count)
+    keep: list[int]  # the logit rows that sample (or verify), in order: the rest are prompt rows
+
+
 def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
-                 block_size: int) -> tuple[StepInputs, list[ScheduledRequest]]:
-    """The step's inputs for the scheduled requests, and the entries the logits belong to, in order: one logit
-    row per entry that samples, or 1 + k rows for an entry carrying k draft tokens (the positions that verify
-    them)."""
-    rows = []
+                 block_size: int) -> tuple[StepInputs, list[ScheduledRequest], PromptLogits | None]:
+    """The step's inputs for the scheduled requests, the entries the sampling logits belong to, in order (one
+    logit row per entry that samples, or 1 + k rows for an entry carrying k draft tokens: the positions that
+    verify them), and, when some entry wants prompt logprobs, where its prompt positions' logit rows are (they
+    come first in its rows: every position of its chunk returns logits)."""
+    rows, prompt_counts = [], []
     for s in out.scheduled:
         req = s.request
         begin = req.num_computed_tokens
         known = req.all_token_ids[begin:begin + s.num_tokens - len(s.spec_tokens)]
+        sampling = 1 + len(s.spec_tokens) if s.samples else 0
+        # Position p's logits give prompt token p + 1's logprob: positions up to the prompt's last but one.
+        prompt = max(0, min(begin + len(known), req.num_prompt_tokens - 1) - begin) if req.needs_prompt_logits else 0
+        prompt_counts.append(prompt)
         rows.append(StepRow(known + s.spec_tokens if s.spec_tokens else known, begin,
-                            kv.block_ids(req.request_id), 1 + len(s.spec_tokens) if s.samples else 0))
+                            kv.block_ids(req.request_id), prompt + sampling))
     step, order = build_step_inputs(rows, block_size)
-    return step, [out.scheduled[i] for i in order if rows[i].num_logits]
+    sampling_rows = [out.scheduled[i] for i in order if rows[i].num_logits > prompt_counts[i]]
+    if not any(prompt_counts):
+        return step, sampling_rows, None
+    found, keep, at = [], [], 0
+    for i in order:
+        n, c = rows[i].num_logits, prompt_counts[i]
+        if c:
+            found.append((out.scheduled[i], at, rows[i].start, c))
+        keep.extend(range(at + c, at + n))
+        at += n
+    return step, sampling_rows, PromptLogits(found, keep)

@@ -97,6 +97,10 @@ class RequestBase(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -108,13 +112,6 @@ class RequestBase(_Strict):
     def _one_choice(cls, v):
         if v not in (None, 1):
             raise ValueError("only 1 is supported")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        if v:  # an empty map biases nothing, so honouring it is exact
-            raise ValueError("is not supported")
         return v
 
     @model_validator(mode="after")

@@ -6,9 +6,12 @@ Accepts both anchors' tensor contracts so existing tools work unchanged:
 - chat: `messages` (an OpenAI-format conversation as JSON) instead of text_input, rendered by the engine's
   chat template; the output never repeats the prompt;
 - TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
-  stop_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs, beam_width (1 only),
+  stop_words, bad_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs (cum_log_probs,
+  output_log_probs), return_perf_metrics (KV reuse and timing outputs), beam_width (1 only),
   guided_decoding_guide_type + guided_decoding_guide (structured output; `structured_outputs` /
   `guided_decoding` in sampling_parameters is vllm_backend's way: serving/structured_inputs.py);
+  pad_id is checked against the vocabulary and otherwise has nothing to do: TensorRT-LLM pads output_ids of
+  a batch to one length, but every response here carries one request's own tokens (text), never padded;
 - ours: priority, timeout (seconds).
 Pure Python over numpy arrays (no Triton import), so it is unit-testable. Every problem (a wrong type or shape,
 non-UTF-8 bytes, JSON that is broken, too large or too deep, a number out of range) raises InvalidRequest with a
@@ -51,13 +54,13 @@ _JSON_PARAMS = {
     "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "max_tokens": int,
     "min_tokens": int, "ignore_eos": bool, "logprobs": int, "presence_penalty": float,
     "frequency_penalty": float, "repetition_penalty": float, "skip_special_tokens": bool, "n": int,
+    "include_stop_str_in_output": bool, "truncate_prompt_tokens": int, "detokenize": bool, "prompt_logprobs": int,
 }
-_JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int}
-_NULLABLE = {"seed", "max_tokens", "logprobs"}
+_JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int, "bad_words": str}
+_NULLABLE = {"seed", "max_tokens", "logprobs", "truncate_prompt_tokens", "prompt_logprobs"}
 # Keys vLLM accepts whose only value here is vLLM's default (so a client written for vllm_backend that sends
 # them keeps working); any other value is refused rather than silently ignored.
-_JSON_DEFAULT_ONLY = {"best_of": (None, 1), "include_stop_str_in_output": (False,),
-                      "spaces_between_special_tokens": (True,), "detokenize": (True,)}
+_JSON_DEFAULT_ONLY = {"best_of": (None, 1), "spaces_between_special_tokens": (True,)}
 
 # TensorRT-LLM-style scalar inputs -> SamplingParams field
 _TENSOR_PARAMS = {
@@ -71,10 +74,15 @@ _RETURN_FLAGS = {
     "return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
     "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens", "return_log_probs": "cumulative_logprob",
+    "return_perf_metrics": "perf_metrics",
 }
+# TensorRT-LLM inputs accepted at their default only (clients send them as such); any other value is refused.
+_TENSOR_DEFAULT_ONLY = {"num_return_sequences": (int, 1, "only 1 is supported (parallel sampling is not built)"),
+                        "return_context_logits": (bool, False, "logits are not returned"),
+                        "return_generation_logits": (bool, False, "logits are not returned")}
 KNOWN_INPUTS = ({"text_input", "messages", "stream", "guided_decoding_guide_type", "guided_decoding_guide", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
                  "stop_words", "bad_words", "end_id", "pad_id", "beam_width", "ignore_eos"}
-                | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS))
+                | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS) | set(_TENSOR_DEFAULT_ONLY))
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
@@ -105,8 +113,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             kwargs[target] = _scalar(inputs[name], name, float if target in _FLOAT_FIELDS else int)
     if "stop_words" in inputs:
         kwargs["stop"] = kwargs.get("stop", []) + _string_list(inputs["stop_words"], "stop_words")
-    if "bad_words" in inputs and _string_list(inputs["bad_words"], "bad_words"):
-        raise InvalidRequest("bad_words: is not supported")
+    if "bad_words" in inputs:
+        kwargs["bad_words"] = kwargs.get("bad_words", []) + _string_list(inputs["bad_words"], "bad_words")
     if "end_id" in inputs:
         kwargs["stop_token_ids"] = kwargs.get("stop_token_ids", []) + [_scalar(inputs["end_id"], "end_id", int)]
     if "guided_decoding_guide_type" in inputs:
@@ -123,7 +131,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         kwargs["ignore_eos"] = _flag(inputs, "ignore_eos")
     if "beam_width" in inputs and _scalar(inputs["beam_width"], "beam_width", int) != 1:
         raise InvalidRequest("beam_width: only 1 is supported")
+    for name, (kind, default, why) in _TENSOR_DEFAULT_ONLY.items():
+        if name in inputs and (_flag(inputs, name) if kind is bool else _scalar(inputs[name], name, kind)) != default:
+            raise InvalidRequest(f"{name}: {why}")
     returns = {out for flag, out in _RETURN_FLAGS.items() if _flag(inputs, flag)}
+    if _flag(inputs, "return_log_probs"):  # TensorRT-LLM's outputs for it (and vllm_backend's cumulative_logprob)
+        returns |= {"cum_log_probs", "output_log_probs"}
     if "cumulative_logprob" in returns and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0  # logprobs are computed only when asked for: ask for the sampled token's
     stream = _flag(inputs, "stream")
@@ -207,6 +220,11 @@ def _parse_sampling_dict(obj: dict, where: str) -> dict:
                     out["structured_outputs"] = structured_inputs.from_vllm(value, name)
                 except ValueError as e:
                     raise InvalidRequest(str(e)) from None
+        elif key == "logit_bias":
+            if value is not None:
+                if not isinstance(value, dict):
+                    raise InvalidRequest(f"{name}: expected an object mapping token ids to biases")
+                out[key] = {_coerce(k, int, name): _coerce(v, float, name) for k, v in value.items()}
         elif key in _JSON_PARAMS:
             out[key] = None if value is None and key in _NULLABLE else _coerce(value, _JSON_PARAMS[key], name)
         elif key in _JSON_LIST_PARAMS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 
@@ -18,9 +19,11 @@ from pagedllm.serving.request_parser import ParsedRequest
 
 
 class ResponseBuilder:
-    def __init__(self, parsed: ParsedRequest, num_input_tokens: int) -> None:
+    def __init__(self, parsed: ParsedRequest, num_input_tokens: int, block_size: int = 16) -> None:
         self.parsed = parsed
         self.num_input_tokens = num_input_tokens
+        self.block_size = block_size  # the engine's KV block size, for the KV-reuse outputs
+        self.tokens_so_far = 0  # output tokens of every response so far (a stream's responses carry deltas)
 
     def arrays_for(self, out: RequestOutput) -> dict[str, np.ndarray]:
         """The output tensors to send for this engine output (a delta while streaming, else the final one)."""
@@ -40,14 +43,47 @@ class ResponseBuilder:
             arrays["num_output_tokens"] = np.array([len(c.token_ids)], dtype=np.uint32)
         if "logprobs" in wanted:
             arrays["logprobs"] = np.array([_logprobs_json(c.logprobs)], dtype=np.object_)
+        self.tokens_so_far += len(c.token_ids)
+        # TensorRT-LLM's (return_log_probs): the cumulative logprob per beam and this response's tokens'
+        # logprobs, [beams, tokens]; one beam here.
+        if "cum_log_probs" in wanted:
+            arrays["cum_log_probs"] = np.array([c.cumulative_logprob or 0.0], dtype=np.float32)
+        if "output_log_probs" in wanted:
+            lps = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs or ())]
+            arrays["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, len(lps))
+        if "perf_metrics" in wanted:
+            arrays.update(self._perf_metrics(out))
+        if out.prompt_logprobs is not None:  # asked for with sampling_parameters' prompt_logprobs
+            arrays["prompt_logprobs"] = np.array([_logprobs_json(out.prompt_logprobs)], dtype=np.object_)
+        return arrays
+
+    def _perf_metrics(self, out: RequestOutput) -> dict[str, np.ndarray]:
+        """TensorRT-LLM's return_perf_metrics outputs: KV blocks reused from the prefix cache, newly allocated
+        and in all (for the tokens so far), the request's timestamps in ns since the epoch (0: not yet), and its
+        speculative decoding counts (draft tokens verified, accepted, their ratio; 0 without speculation)."""
+        total = -(-(self.num_input_tokens + self.tokens_so_far) // self.block_size)
+        reused = min(out.num_cached_tokens // self.block_size, total)
+        arrays = {"kv_cache_reused_blocks": np.array([reused], dtype=np.int32),
+                  "kv_cache_alloc_new_blocks": np.array([total - reused], dtype=np.int32),
+                  "kv_cache_alloc_total_blocks": np.array([total], dtype=np.int32)}
+        m = out.metrics
+        now_ns, now = time.time_ns(), time.monotonic()  # the metrics are monotonic times: moved to the epoch
+        for name in ("arrival_time", "first_scheduled_time", "first_token_time", "last_token_time"):
+            t = getattr(m, name) if m is not None else None
+            arrays[name + "_ns"] = np.array([0 if t is None else now_ns - int((now - t) * 1e9)], dtype=np.int64)
+        drafts, accepted = (m.num_draft_tokens, m.num_accepted_draft_tokens) if m else (0, 0)
+        arrays["total_draft_tokens"] = np.array([drafts], dtype=np.int32)
+        arrays["total_accepted_draft_tokens"] = np.array([accepted], dtype=np.int32)
+        arrays["acceptance_rate"] = np.array([accepted / drafts if drafts else 0.0], dtype=np.float32)
         return arrays
 
 
 def _logprobs_json(logprobs) -> bytes:
     if logprobs is None:
         return b"null"
-    entries = [{str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                for tok, lp in entry.items()} for entry in logprobs]
+    entries = [None if entry is None else {
+        str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tok, lp in entry.items()} for entry in logprobs]
     return json.dumps(entries).encode()
 
 
@@ -63,7 +99,8 @@ def coalesce(items: list) -> list:
             joined = dataclasses.replace(
                 b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
                 logprobs=None if b.logprobs is None else (a.logprobs or []) + b.logprobs)
-            out = dataclasses.replace(out, outputs=[joined])
+            out = dataclasses.replace(out, outputs=[joined],  # prompt logprobs come in a stream's first output
+                                      prompt_logprobs=prev[1].prompt_logprobs or out.prompt_logprobs)
         merged.pop(rid, None)  # re-insert: keep the newest item's position
         merged[rid] = (rid, out, err)
     return list(merged.values())

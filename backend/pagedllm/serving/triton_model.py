@@ -154,7 +154,8 @@ class TritonPythonModel:
             return
         rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
         with self.lock:  # registered first: the engine thread may answer before submit returns
-            self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids)),
+            self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids),
+                                                                     self.engine_config.cache.block_size),
                                            triton_id)
         try:
             self.loop.submit(rid, processed)
