@@ -107,7 +107,8 @@ class RequestBase(_Strict):
     def _one_or_many(cls, v):
         return [v] if isinstance(v, str) else v
 
-    @field_validator("n")
+    # best_of is a completions field: check_fields=False lets this base class name it for its subclass.
+    @field_validator("n", "best_of", check_fields=False)
     @classmethod
     def _one_choice(cls, v):
         if v not in (None, 1):
@@ -148,13 +149,6 @@ class CompletionRequest(RequestBase):
     def _no_suffix(cls, v):
         if v is not None:
             raise ValueError("is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only 1 is supported")
         return v
 
 
