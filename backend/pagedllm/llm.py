@@ -12,7 +12,7 @@ from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -59,6 +59,15 @@ class LLM:
         process = self.engine.input_processor.process
         return self._run([process(p, _final_only(sp), pr, t)
                           for p, sp, pr, t in zip(prompts, params, priorities, timeouts)], use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[RequestOutput]:
+        """Beam search for each prompt (transformers' rules): one RequestOutput per prompt whose outputs are
+        its `beam_width` beams, best first, each with its tokens, text and cumulative logprob. The beams share
+        their common blocks of KV by reference count."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        return self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
 
     def chat(
         self,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -86,9 +88,18 @@ class SamplingParams:
     `max_tokens=None` (the default) means "until a stop condition or the context (max_model_len) is full":
     unlike vLLM's default of 16 it never cuts an answer short silently.
     `temperature=0` is greedy decoding. `stop` strings are excluded from the returned text.
+
+    `n` samples are returned (`best_of` >= n drawn, the n with the highest cumulative logprob kept); with a
+    seed, sample i draws with seed + i. `beam_width` > 1 is beam search (`LLM.beam_search`, TensorRT-LLM's
+    beam_width): the n best beams are returned (transformers' num_return_sequences), ranked by sum of
+    logprobs / length ** length_penalty.
     """
 
     n: int = 1
+    best_of: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beam search: a finished beam's score divides by its length to this power
+    early_stopping: bool | str = False  # beam search: True, False (a bound decides) or "never" (transformers')
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables
@@ -120,6 +131,9 @@ class SamplingParams:
     detokenize: bool = True
     # Logprobs of the prompt's tokens (vLLM's): per position after the first, the actual token's plus the top k.
     prompt_logprobs: int | None = None
+    # Offline only (vLLM's): each called as fn(output_token_ids, logits) or fn(prompt_token_ids,
+    # output_token_ids, logits) on the request's fp32 logits row, returning the row to sample from.
+    logits_processors: list[Callable] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -139,7 +153,15 @@ class SamplingParams:
         """Raise ValueError naming the first field out of range. Checks run in order and each only after the
         ones before it held, so a value of the wrong type never reaches a comparison."""
         checks = [
-            ("n", lambda: self.n == 1, "only n=1 is supported"),
+            ("n", lambda: _int(self.n) and 1 <= self.n <= MAX_SAMPLES, f"must be an integer in [1, {MAX_SAMPLES}]"),
+            ("best_of", lambda: self.best_of is None or (_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES),
+             f"must be an integer in [n, {MAX_SAMPLES}]"),
+            ("best_of", lambda: (self.best_of or 1) <= self.n or self.output_kind != RequestOutputKind.DELTA,
+             "> n cannot stream (the best samples are known only when all have finished)"),
+            ("beam_width", lambda: _int(self.beam_width) and 1 <= self.beam_width <= MAX_SAMPLES,
+             f"must be an integer in [1, {MAX_SAMPLES}]"),
+            ("length_penalty", lambda: _finite(self.length_penalty), "must be a finite number"),
+            ("early_stopping", lambda: self.early_stopping in (True, False, "never"), 'must be true, false or "never"'),
             ("temperature", lambda: _finite(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
             ("top_p", lambda: _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", lambda: _int(self.top_k) and 0 <= self.top_k <= MAX_INT32,
@@ -189,10 +211,41 @@ class SamplingParams:
              "cannot be combined with structured_outputs (the grammar's end is an EOS token)"),
             ("min_tokens", lambda: not (self.structured_outputs and self.min_tokens),
              "cannot be combined with structured_outputs (the grammar decides where the output ends)"),
+            ("logits_processors", lambda: isinstance(self.logits_processors, list) and all(
+                callable(f) and num_positional_args(f) in (2, 3) for f in self.logits_processors),
+             "must be a list of callables taking (output_token_ids, logits) or (prompt_token_ids, "
+             "output_token_ids, logits)"),
         ]
+        if _int(self.beam_width) and self.beam_width > 1:
+            checks += [(name, ok, f"{msg} with beam search (beam_width > 1)") for name, ok, msg in self._beam_checks()]
         for name, ok, msg in checks:
             if not ok():
                 raise ValueError(f"{name}: {msg}, got {_show(getattr(self, name))}")
+
+    def _beam_checks(self) -> list:
+        """What beam search does not combine with: it is deterministic, returns final beams (no stream), and
+        ranks beams by the raw model's logprobs (nothing may edit them)."""
+        return [
+            # Beams are scored by the model's own log-probs: temperature 1 (TensorRT-LLM's default) means the same.
+            ("temperature", lambda: self.greedy or self.temperature == 1.0, "must be 0 or 1"),
+            ("top_p", lambda: self.top_p == 1.0 and self.top_k == 0 and self.min_p == 0.0,
+             "(and top_k, min_p) must keep their defaults"),
+            ("n", lambda: self.n <= self.beam_width and self.best_of is None,
+             "(the best beams returned) must be at most beam_width, and best_of unset"),
+            ("output_kind", lambda: self.output_kind != RequestOutputKind.DELTA, "cannot stream"),
+            ("stop", lambda: not self.stop, "is not supported"),
+            ("logprobs", lambda: self.logprobs in (None, 0), "must be 0 (each token's own) or unset"),
+            ("prompt_logprobs", lambda: self.prompt_logprobs is None, "is not supported"),
+            ("min_tokens", lambda: not self.min_tokens, "is not supported"),
+            ("structured_outputs", lambda: self.structured_outputs is None, "is not supported"),
+            ("logits_processors", lambda: not (self.needs_penalties or self.has_token_controls),
+             "(and penalties, logit_bias, allowed_token_ids, bad_words) are not supported"),
+        ]
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the request runs at once: its samples, or its beams."""
+        return max(self.best_of or self.n, self.beam_width)
 
     @property
     def greedy(self) -> bool:
@@ -200,14 +253,34 @@ class SamplingParams:
 
     @property
     def has_token_controls(self) -> bool:
-        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.logits_processors)
 
     @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters (vLLM's names; `early_stopping` as transformers'). Beam search here is
+    deterministic."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0 or 1: beams are scored by the model's own log-probs
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature, length_penalty=self.length_penalty,
+                              early_stopping=self.early_stopping)
+
+
 MAX_INT32 = 2 ** 31 - 1
+MAX_SAMPLES = 256  # n, best_of, beam_width: each is a sequence in the batch
 MAX_SEED = 2 ** 64 - 1
 
 
@@ -218,6 +291,15 @@ def _int(v) -> bool:
 def _finite(v) -> bool:
     """A real number, not NaN or infinite (a bool is not a number here)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def num_positional_args(fn) -> int | None:
+    """How many positional arguments `fn` takes (None if it cannot be told)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _as_list(value, name: str, kind: type) -> list:

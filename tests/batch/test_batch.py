@@ -24,6 +24,7 @@ ROWS = [
     {"id": "bad-missing", "max_tokens": 3},
     {"id": "bad-param", "prompt": "x", "temperature": -1},
     {"id": "bad-long", "prompt": "x " * 600},
+    {"id": "bad-n", "prompt": "x", "n": 2},  # a row's record holds one text
     {"id": "d", "prompt": "naïve café 東京"},
 ]
 GOOD = ["a", "b", "c", "d"]
@@ -82,9 +83,9 @@ def test_formats_overrides_bad_rows_and_equality_with_generate(llm, tmp_path, in
         else:
             assert res["error"] and res.get("text") is None
     assert "prompt" in results["bad-missing"]["error"] and "temperature" in results["bad-param"]["error"]
-    assert "max_model_len" in results["bad-long"]["error"]
+    assert "max_model_len" in results["bad-long"]["error"] and "n must be 1" in results["bad-n"]["error"]
     assert results["b"]["num_output_tokens"] == 4  # the per-row override
-    assert summary.requests == 7 and summary.errors == 3 and "requests: 7" in summary.line()
+    assert summary.requests == 8 and summary.errors == 4 and "requests: 8" in summary.line()
     assert_all_blocks_free(llm)
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import triton_server
 from conftest import Collector, assert_all_blocks_free, random_prompts, wait_for
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.engine.executor.multiproc import WorkerFailedError
 from pagedllm.distributed.tensor_parallel import check_shardable, kv_heads_for_rank
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
@@ -87,6 +87,24 @@ def test_tp_is_token_identical_to_tp1_under_preemption_and_prefix_caching(model_
     for s in (ref_stats, stats):
         assert s.num_blocks_total == BLOCKS - 1
         assert s.num_preemptions > 0 and s.prefix_cache_hits > 0, s
+
+
+def test_forked_samples_and_beams_copy_their_blocks_on_every_rank(llama_dir):
+    """Copy-on-write block copies travel in the step's inputs: each rank copies its own shard of the block."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([21, 37], seed=12)]
+    sampled = SamplingParams(n=3, seed=4, temperature=1.0, max_tokens=20, ignore_eos=True)
+    beams = BeamSearchParams(beam_width=3, max_tokens=16, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(llama_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=256,
+                  kv_cache_memory_bytes=1 << 22)
+        try:
+            outs = llm.generate(prompts, sampled, use_tqdm=False) + llm.beam_search(prompts, beams)
+            results.append([[c.token_ids for c in o.outputs] for o in outs])
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    assert results[0] == results[1]
 
 
 def _worker(llm):

@@ -82,3 +82,38 @@ def test_reset_prefix_cache_only_when_idle():
     pool.free_blocks([blk])
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(h) is None and blk.block_hash is None
+
+
+class _Seq:
+    def __init__(self, request_id: str, num_computed_tokens: int = 0) -> None:
+        self.request_id, self.num_computed_tokens = request_id, num_computed_tokens
+
+
+def test_fork_shares_blocks_and_the_first_write_into_a_shared_block_copies_it():
+    from pagedllm.engine.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    parent = _Seq("p")
+    assert kv.allocate_slots(parent, 10)  # blocks 1, 2, 3: the last holds 2 of its 4 tokens
+    parent.num_computed_tokens = 10
+    child = _Seq("c", 10)
+    kv.fork(parent, child, 10)
+    assert kv.block_ids("c") == kv.block_ids("p") == [1, 2, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 2] and kv.num_free_blocks == 6
+    # The child writes token 10 into shared block 3: it gets block 4, a copy of 3, and nothing else changes.
+    assert kv.can_allocate(child, 1) and kv.allocate_slots(child, 1)
+    assert kv.block_ids("c") == [1, 2, 4] and kv.take_block_copies() == [(3, 4)]
+    assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
+    # The parent now holds block 3 alone: writing into it copies nothing.
+    assert kv.allocate_slots(parent, 1) and kv.block_ids("p") == [1, 2, 3] and kv.take_block_copies() == []
+    # A fork at a block boundary shares only full blocks: its next token starts a new block, no copy.
+    edge = _Seq("e", 8)
+    kv.fork(parent, edge, 8)
+    assert kv.allocate_slots(edge, 1) and kv.block_ids("e") == [1, 2, 5] and kv.take_block_copies() == []
+    # Room is counted with the copy: with 4 blocks free, 15 more tokens need 4 new blocks plus the copy.
+    late = _Seq("l", 10)
+    kv.fork(child, late, 10)
+    assert kv.num_free_blocks == 4 and not kv.can_allocate(late, 15) and kv.can_allocate(late, 14)
+    for seq in (parent, child, edge, late):
+        kv.free(seq)
+    assert kv.all_free()

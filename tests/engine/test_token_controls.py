@@ -4,6 +4,7 @@ bad_words, include_stop_str_in_output; and refused when out of range."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import assert_all_blocks_free
 from pagedllm import LLM, SamplingParams
@@ -70,4 +71,40 @@ def test_bad_values_are_refused(llm, params, message):
     with pytest.raises(ValueError) as e:
         llm.generate(PROMPT, SamplingParams(**params), use_tqdm=False)
     assert message in str(e.value)
+    assert_all_blocks_free(llm)
+
+
+def test_logits_processors_edit_the_row_each_step(llm):
+    """vLLM's per-request processors, both signatures: each sees the output so far (and the prompt)."""
+    seen = []
+
+    def only_even(output_ids, logits):
+        seen.append(list(output_ids))
+        logits[1::2] = float("-inf")
+        return logits
+
+    def echo_prompt(prompt_ids, output_ids, logits):  # forces the prompt back, token by token
+        forced = torch.full_like(logits, float("-inf"))
+        forced[prompt_ids[len(output_ids) % len(prompt_ids)]] = 0.0
+        return forced
+
+    out = run(llm, temperature=1.0, seed=3, logits_processors=[only_even])
+    assert all(t % 2 == 0 for t in out.token_ids)
+    assert seen == [out.token_ids[:i] for i in range(16)]
+    prompt_ids = llm.get_tokenizer().encode(PROMPT)
+    out = run(llm, temperature=0, logits_processors=[echo_prompt], max_tokens=len(prompt_ids))
+    assert out.token_ids == prompt_ids
+
+
+def test_a_failing_logits_processor_fails_its_request_alone(llm):
+    def broken(output_ids, logits):
+        return logits[:10]  # the wrong shape
+
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=8, logits_processors=[broken]),
+                                           good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "must return a tensor of shape" in outs[0].error
+    assert outs[1].outputs[0].token_ids == run(llm, temperature=0, max_tokens=8).token_ids
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams(logits_processors=[lambda logits: logits])
     assert_all_blocks_free(llm)

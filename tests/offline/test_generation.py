@@ -153,7 +153,7 @@ def test_abort_frees_blocks_and_others_finish(llm):
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"), ({"n": 2}, "n"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"), ({"n": 0}, "n"),
     ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
     ({"seed": 2 ** 64}, "seed"), ({"seed": -1}, "seed"), ({"max_tokens": 2 ** 31}, "max_tokens"),
     ({"max_tokens": 10 ** 400}, "max_tokens"), ({"stop": 5}, "stop"), ({"stop_token_ids": ["7"]}, "stop_token_ids"),

@@ -232,6 +232,27 @@ def test_concurrent_requests_each_get_their_own_stream(client):
         assert list(pool.map(one, range(8))) == alone
 
 
+# --- several choices ---------------------------------------------------------------------------------------
+
+def test_n_choices_streamed_and_not_equal_the_seeded_samples(client):
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 1.0, "seed": 21, "n": 3}
+    whole = client.completions.create(prompt=PROMPT, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len({c.text for c in whole.choices}) == 3
+    first = client.completions.create(prompt=PROMPT, **{**kw, "n": 1}).choices[0].text
+    assert whole.choices[0].text == first  # sample 0 draws with the request's seed
+    streamed = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(prompt=PROMPT, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in whole.choices]
+    fixed = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **kw)
+    assert fixed.usage.completion_tokens == 3 * 12  # usage counts every choice's tokens
+    chat = client.chat.completions.create(messages=MESSAGES, **kw)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and all(c.message.role == "assistant" for c in chat.choices)
+    best = client.completions.create(prompt=PROMPT, **{**kw, "n": 1, "best_of": 3})
+    assert len(best.choices) == 1 and best.choices[0].text in {c.text for c in whole.choices}
+
+
 # --- errors --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param", [
@@ -240,8 +261,9 @@ def test_concurrent_requests_each_get_their_own_stream(client):
     ({"model": MODEL, "prompt": PROMPT, "max_tokens": "8"}, "max_tokens"),  # a wrong type
     ({"model": MODEL, "prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ({"model": MODEL, "prompt": PROMPT, "frobnicate": 1}, "frobnicate"),  # an unknown field
-    ({"model": MODEL, "prompt": PROMPT, "n": 2}, "n"),
-    ({"model": MODEL, "prompt": PROMPT, "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 0}, "n"),  # refused by the model
+    ({"model": MODEL, "prompt": PROMPT, "n": 3, "best_of": 2}, "best_of"),
+    ({"model": MODEL, "prompt": PROMPT, "n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"model": MODEL, "prompt": PROMPT, "logit_bias": {"42": 500}}, "logit_bias"),  # out of [-100, 100]
     ({"model": MODEL, "prompt": PROMPT, "echo": True}, "echo"),
     ({"model": MODEL, "prompt": PROMPT, "suffix": "x"}, "suffix"),
@@ -279,7 +301,7 @@ def test_bad_chat_requests_are_openai_400s(served, extra, param):
 
 
 def test_the_sdk_raises_bad_request(client):
-    for kw in ({"n": 2}, {"logit_bias": {"42": 500}}, {"max_tokens": "many"}):
+    for kw in ({"n": 0}, {"logit_bias": {"42": 500}}, {"max_tokens": "many"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, **kw)
         assert e.value.status_code == 400 and e.value.param == next(iter(kw))

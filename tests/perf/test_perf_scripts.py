@@ -21,6 +21,7 @@ def run(script, *args):
     ("throughput.py", ["--quick", "--sizes", "tiny", "--rounds", "2"], "median_ratio_pagedllm_over_transformers"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
+    ("parallel_sampling.py", ["--quick"], "speedup_median"),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
 from pagedllm.serving.response_builder import ResponseBuilder
@@ -50,6 +50,7 @@ TRTLLM_TENSORS = [
     "beam_width", "stream", "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id",
     "embedding_bias_words", "embedding_bias_weights", "num_draft_tokens", "use_draft_logits", "lora_task_id",
     "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide", "num_return_sequences",
+    "early_stopping",
 ]
 # Structured output: checked in tests/serving/test_structured_output_served.py and tests/engine (another change
 # adds their coverage checks here).
@@ -120,8 +121,16 @@ def check_key(llm, key: str) -> None:
     base = serve(llm, sp())
     toks, text = base.tokens, base.final.outputs[0].text
     greedy_sampled_differs = serve(llm, sp(**SAMPLED)).tokens != toks
-    if key in ("n", "best_of"):
-        refused(llm, sp(**{key: 2}), key)
+    if key == "n":  # n samples, sample i seeded seed + i, in one response's per-sequence outputs
+        out = serve(llm, sp(**SAMPLED, n=3))
+        assert [c.token_ids for c in out.final.outputs][0] == serve(llm, sp(**SAMPLED)).tokens
+        assert list(out.responses[-1]["sequence_index"]) == [0, 1, 2] and len(out.responses[-1]["text_output"]) == 3
+        assert len({tuple(c.token_ids) for c in out.final.outputs}) == 3
+    elif key == "best_of":  # the n best of best_of by cumulative logprob
+        out = serve(llm, sp(**SAMPLED, n=1, best_of=4))
+        every = serve(llm, sp(**SAMPLED, n=4, logprobs=0)).final.outputs
+        assert out.tokens == max(every, key=lambda c: c.cumulative_logprob).token_ids
+        refused(llm, sp(n=3, best_of=2), key)
     elif key in ("presence_penalty", "frequency_penalty"):
         assert serve(llm, sp(**{key: 2.0})).tokens != toks
     elif key == "repetition_penalty":
@@ -207,7 +216,7 @@ EQUIVALENT = {
 }
 UNKNOWN_TRTLLM = {
     "decoder_text_input": t("x"), "image_input": np.zeros((1, 3, 2, 2), np.float16), "image_bytes_input": t("x"),
-    "image_url_input": t("x"), "video_bytes_input": t("x"), "length_penalty": t(1.0, np.float32),
+    "image_url_input": t("x"), "video_bytes_input": t("x"),
     "return_kv_cache_reuse_stats": t(True), "prompt_embedding_table": np.zeros((1, 4, 8), np.float16),
     "prompt_vocab_size": t(4, np.int32), "prompt_table_extra_id": t(1, np.uint64),
     "embedding_bias_words": t(["x"]), "embedding_bias_weights": np.array([1.0], np.float32),
@@ -272,13 +281,41 @@ def check_tensor(llm, name: str) -> None:
     elif name in ("return_context_logits", "return_generation_logits"):
         assert serve(llm, tensors({name: t(False)})).tokens == toks  # the default is accepted
         refused(llm, tensors({name: t(True)}), name)
-    elif name == "num_return_sequences":
+    elif name == "num_return_sequences":  # samples, or the best beams returned
         assert serve(llm, tensors({name: t(1, np.int32)})).tokens == toks
-        refused(llm, tensors({name: t(2, np.int32)}), name)
-    elif name == "beam_width":
-        refused(llm, tensors({name: t(2, np.int32)}), name)
+        two = serve(llm, tensors({name: t(2, np.int32)}, **SAMPLED)).final.outputs
+        assert len(two) == 2 and two[0].token_ids != two[1].token_ids
+        beams = serve(llm, tensors({name: t(2, np.int32), "beam_width": t(4, np.int32)})).final.outputs
+        assert [c.token_ids for c in beams] == [c.token_ids for c in beam_search(llm, 4)[:2]]
+    elif name == "beam_width":  # every beam returned, best first, as LLM.beam_search gives them
+        out = serve(llm, tensors({name: t(3, np.int32), "return_log_probs": t(True)}))
+        assert [c.token_ids for c in out.final.outputs] == [c.token_ids for c in beam_search(llm, 3)]
+        assert out.responses[-1]["cum_log_probs"].shape == (3,) and out.responses[-1]["output_log_probs"].shape[0] == 3
+        assert serve(llm, tensors({name: t(1, np.int32)})).tokens == toks
+        refused(llm, tensors({name: t(2, np.int32)}, temperature=0.7), "temperature")
+    elif name in ("length_penalty", "early_stopping"):
+        # A stop token the beams meet early (end_id) makes hypotheses of different lengths, which the penalty
+        # ranks: a negative one keeps the shortest, a large one the longest. The oracle tests check both rules.
+        end = {"end_id": t(beam_search(llm, 4)[1].token_ids[1], np.int32), "beam_width": t(4, np.int32)}
+        short = serve(llm, tensors({"length_penalty": t(-2.0, np.float32), **end})).final.outputs
+        long = serve(llm, tensors({"length_penalty": t(3.0, np.float32), **end})).final.outputs
+        assert len(short[0].token_ids) < len(long[0].token_ids) == 16 and short[0].finish_reason == "stop"
+        early = serve(llm, tensors({"early_stopping": t(True), **end}))
+        assert early.parsed.params.early_stopping is True
+        stop = int(end["end_id"][0])
+        offline = llm.generate(PROMPT, SamplingParams(beam_width=4, n=4, temperature=0, max_tokens=16,
+                                                      early_stopping=True, stop_token_ids=[stop], ignore_eos=True),
+                               use_tqdm=False)[0].outputs
+        assert [c.token_ids for c in early.final.outputs] == [c.token_ids for c in offline]
     else:
         raise AssertionError(f"no check for input tensor {name!r}")
+
+
+def beam_search(llm, width, eos=False, **kw):
+    from pagedllm import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=width, max_tokens=16, ignore_eos=not eos, **kw)
+    return llm.beam_search(PROMPT, params)[0].outputs
 
 
 def test_every_documented_input_has_a_check():
@@ -315,7 +352,7 @@ def test_input_tensor(llm, name):
 
 def test_refusals_are_invalid_requests():
     """The parser's refusals are InvalidRequest (INVALID_ARG through Triton), naming the input."""
-    for inputs, name in ((sp(n=2), "n"), (tensors({"beam_width": t(4, np.int32)}), "beam_width"),
+    for inputs, name in ((sp(n=0), "n"), (tensors({"beam_width": t(0, np.int32)}), "beam_width"),
                          (tensors({"lora_task_id": t(1, np.uint64)}), "lora_task_id")):
         with pytest.raises(InvalidRequest, match=name):
             parse_request(inputs)

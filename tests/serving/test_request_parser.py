@@ -100,8 +100,8 @@ def test_tensorrt_llm_return_flags():
 
 
 @pytest.mark.parametrize("sp, message", [
-    ({"n": 2}, "n: only n=1 is supported"),
-    ({"best_of": 2}, "best_of: only 1 is supported"),
+    ({"n": 0}, r"n: must be an integer in \[1, 256\]"),
+    ({"n": 2, "best_of": 1}, r"best_of: must be an integer in \[n, 256\]"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens: only True is supported"),
     ({"logit_bias": [1, 2]}, "logit_bias: expected an object"),
     ({"logit_bias": {"x": 1}}, "logit_bias: expected an integer"),

@@ -98,7 +98,11 @@ def _row_request(row: dict, prompt_field: str, defaults: SamplingParams) -> tupl
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{prompt_field}: missing or not a non-empty string")
     overrides = {k: _coerce(k, v) for k, v in row.items() if k in _PARAM_FIELDS}
-    return prompt, dataclasses.replace(defaults, **overrides) if overrides else defaults
+    params = dataclasses.replace(defaults, **overrides) if overrides else defaults
+    if params.n != 1:  # a row's record holds one text; best_of and beam_width still choose it
+        raise ValueError(f"n: a batch row yields one text, so n must be 1 (got {params.n!r}); best_of and "
+                         "beam_width pick the best one")
+    return prompt, params
 
 
 def _coerce(name: str, value):

@@ -29,6 +29,7 @@ from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observatio
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.prompt_logprobs import record_prompt_logprobs
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request_groups import RequestGroups
 from pagedllm.engine.sampler import SampledToken, Sampler
 from pagedllm.engine.scheduler import ScheduledRequest, Scheduler
 from pagedllm.engine.spec_decode.registry import make_proposer
@@ -63,6 +64,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, fused)
         self.grammar_masks = GrammarMasks()
         self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len)
+        self.groups = RequestGroups(self.scheduler, self.kv, self.output_processor, info.eos_token_ids,
+                                    lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()
         self.num_steps = 0
         self.prompt_tokens = 0
@@ -109,27 +112,41 @@ class LLMEngine:
         else:
             processed = self.input_processor.process(prompt, params, priority, timeout)
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        params, ids = processed.params, processed.prompt_token_ids
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params = processed.params
+        if params.num_sequences > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"{'beam_width' if params.beam_width > 1 else 'n'}: {params.num_sequences} sequences "
+                             f"run at once, more than max_num_seqs={self.config.scheduler.max_num_seqs}")
         now = time.monotonic()
-        req = Request(request_id, ids, params, self.model_info.eos_token_ids, self.config.cache.block_size,
-                      prompt=processed.prompt, priority=processed.priority, arrival_time=now,
-                      deadline=None if processed.timeout is None else now + processed.timeout, max_tokens=max_tokens)
-        if processed.grammar is not None:
-            req.grammar = RequestGrammar(processed.grammar)
-        req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]
+
+        def make(rid: str, sp: SamplingParams) -> Request:
+            ids = processed.prompt_token_ids
+            room = self.max_model_len - len(ids)
+            req = Request(rid, ids, sp, self.model_info.eos_token_ids, self.config.cache.block_size,
+                          prompt=processed.prompt, priority=processed.priority, arrival_time=now,
+                          deadline=None if processed.timeout is None else now + processed.timeout,
+                          max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room))
+            if processed.grammar is not None:
+                req.grammar = RequestGrammar(processed.grammar)
+            req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]
+            return req
+
+        if params.num_sequences > 1:
+            self.groups.add(request_id, params, make)
+            return request_id
+        req = make(request_id, params)
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort_request(request_id)
-        if req is None:
-            return None
-        return self._finish(req)
+        """Abort a request (all its samples or beams); its final output, or None if it is not live."""
+        outputs = []
+        for req in self.groups.members(request_id) or [self.scheduler.requests.get(request_id)]:
+            if req is not None and self.scheduler.abort_request(req.request_id) is not None:
+                outputs += self._finish(req)
+        return outputs[-1] if outputs else None
 
     def enable_observations(self) -> Observations:
         """Start recording per-request and per-step measurements (for an exporter to drain)."""
@@ -155,7 +172,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._propose_drafts() if self.proposer is not None else []
         sched = self.scheduler.schedule()
-        outputs += [self._finish(r) for r in sched.timed_out]
+        for r in sched.timed_out:
+            outputs += self._finish(r)
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.get_stats)
         if sched.is_empty():
@@ -180,6 +198,7 @@ class LLMEngine:
         emitted = self._sample(logits, sampling_rows, outputs, masks) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
+        got += self.groups.after_step(emitted, outputs)  # samples fork, beams choose
         self._record_token_times(got)
         for req in got:
             tokens = emitted[req.request_id]
@@ -190,17 +209,17 @@ class LLMEngine:
                 status = self.output_processor.process_tokens(req, tokens)
                 out = self.output_processor.output(req) if status is None else None
             except Exception as e:
-                outputs.append(self._fail_request(req, e))
+                outputs += self._fail_request(req, e)
                 continue
             self.generation_tokens += req.num_output_tokens - before
             if status is not None:
                 self.scheduler.finish_request(req, status)
-                outputs.append(self._finish(req))
+                outputs += self._finish(req)
             elif out is not None:
-                outputs.append(out)
-        return outputs
+                outputs.append(out if req.group is None else req.group.merge(out))
+        return [o for o in outputs if o is not None]
 
-    def _fail_request(self, req: Request, err: Exception) -> RequestOutput:
+    def _fail_request(self, req: Request, err: Exception) -> list[RequestOutput]:
         """Finish `req` alone after a failure of its own; the step goes on for the others."""
         req.error = f"{type(err).__name__}: {err}"
         logger.warning("request %s failed (the others go on): %s", req.request_id, req.error, exc_info=err)
@@ -231,9 +250,14 @@ class LLMEngine:
             # Without drafts every row is one plain row, in order: no copy of the logits.
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
             GrammarMasks.apply(picked, masks)  # the constrained rows' (in place; the others untouched)
-            for i, token in zip(plain, self._sample_isolated(picked, [rows[i].request for i in plain], outputs)):
+            reqs = [rows[i].request for i in plain]
+            keep, extra = self.groups.route_rows(picked, reqs)  # beams report; waiting samples join
+            if len(keep) < len(reqs) or extra:
+                picked = picked[keep + [j for j, _ in extra]]
+                reqs = [reqs[j] for j in keep] + [sib for _, sib in extra]
+            for req, token in zip(reqs, self._sample_isolated(picked, reqs, outputs) if reqs else ()):
                 if token is not None:
-                    out[rows[i].request.request_id] = [token]
+                    out[req.request_id] = [token]
         for i, s in enumerate(rows):
             k = len(s.spec_tokens)
             if not k:
@@ -243,7 +267,7 @@ class LLMEngine:
                 ids = verify(logits[starts[i]:starts[i] + k + 1].float().cpu(), s.spec_tokens, s.request,
                              self.sampler.generator, None if probs is None else probs[:k])
             except Exception as e:
-                outputs.append(self._fail_request(s.request, e))
+                outputs += self._fail_request(s.request, e)
                 continue
             self.spec_stats.record(k, len(ids) - 1)
             s.request.num_draft_tokens += k
@@ -267,7 +291,7 @@ class LLMEngine:
                         self.faults.check("sample", [req])
                     tokens.append(self.sampler(logits[row:row + 1], [req])[0])
                 except Exception as e:
-                    outputs.append(self._fail_request(req, e))
+                    outputs += self._fail_request(req, e)
                     tokens.append(None)
             return tokens
 
@@ -280,7 +304,8 @@ class LLMEngine:
             p = req.sampling_params
             # Constrained requests (a grammar, token controls) are not speculated: verification knows neither.
             if (req.num_computed_tokens != req.num_tokens - 1 or p.needs_penalties or p.logprobs is not None
-                    or req.num_output_tokens < p.min_tokens or req.grammar is not None or p.has_token_controls):
+                    or req.num_output_tokens < p.min_tokens or req.grammar is not None or p.has_token_controls
+                    or p.beam_width > 1):
                 continue
             wanted.append((req, min(self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)))
         failed: list[RequestOutput] = []
@@ -299,21 +324,25 @@ class LLMEngine:
                         self.faults.check("propose", [item[0]])
                     drafts.update(self.proposer.propose([item]))
                 except Exception as e:
-                    failed.append(self._fail_request(item[0], e))
+                    failed += self._fail_request(item[0], e)
         for req, _ in wanted:
             if req.request_id in drafts:
                 req.spec_token_ids, req.spec_draft_probs = drafts[req.request_id]
         return failed
 
-    def _finish(self, req: Request) -> RequestOutput:
-        """The single exit of every request that was queued: stop, length, abort, timeout or error."""
-        reason = req.status.finish_reason
-        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+    def _finish(self, req: Request) -> list[RequestOutput]:
+        """The single exit of every sequence that was queued: stop, length, abort, timeout or error. Returns the
+        caller's outputs it completes (a group's sequence may complete none, or a stream's delta)."""
         if self.proposer is not None:
             self.proposer.drop(req.request_id)
-        if self.observations is not None:
-            self.observations.request_finished(req)
-        return self.output_processor.finish(req)
+        outputs = [self.output_processor.finish(req)] if req.group is None else self.groups.finished(req)
+        for out in outputs:
+            if out.finished:  # one count per caller's request, whatever its number of sequences
+                reason = req.status.finish_reason
+                self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+                if self.observations is not None:
+                    self.observations.request_finished(req)
+        return outputs
 
     # --- introspection ------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -1,6 +1,11 @@
-"""Per-request block tables on top of the block pool: prefix lookup, slot allocation, freeing.
+"""Per-request block tables on top of the block pool: prefix lookup, slot allocation, forking, freeing.
 
 A request's KV grows block by block as its computed tokens grow: nothing is reserved up front.
+
+Forking (parallel samples, beams): a fork takes references on its parent's blocks instead of copying them.
+Blocks are written only at positions at or after a sequence's computed tokens, so only a shared block that is
+about to be written needs a private copy: `allocate_slots` gives the writer a fresh block and records
+(source, destination) in `block_copies`, which the next step's runners carry out before the forward pass.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_indexed: dict[str, int] = {}  # per request: leading blocks already offered to the cache
+        self.block_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) pairs the next step applies
+        self.has_forks = False  # until a first fork no block can need a copy (the hot path skips the check)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
 
@@ -58,12 +65,21 @@ class KVCacheManager:
             self.pool.num_free_blocks
 
     def _num_blocks_needed(self, request, num_new_tokens, new_computed_blocks) -> int:
-        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        held = self.req_blocks.get(request.request_id, ())
+        have = len(held) + len(new_computed_blocks)
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         new = max(0, cdiv(total, self.block_size) - have)
         # Prefix hits that sit in the free queue leave it when touched, so they count against it too.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return new + revived
+        return new + revived + len(self._shared_written(held, request.num_computed_tokens, total))
+
+    def _shared_written(self, blocks, num_computed: int, total: int) -> list[int]:
+        """Indices of held blocks that tokens num_computed..total-1 write into while another sequence shares
+        them (a fork's last, partly filled block): each needs a private copy first."""
+        if not self.has_forks or total <= num_computed:
+            return []
+        last = min(len(blocks), cdiv(total, self.block_size))
+        return [i for i in range(num_computed // self.block_size, last) if blocks[i].ref_cnt > 1]
 
     def allocate_slots(self, request: Sequence, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
@@ -72,14 +88,32 @@ class KVCacheManager:
         if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
+        for i in self._shared_written(blocks, request.num_computed_tokens, total):  # copy-on-write
+            fresh = self.pool.get_new_blocks(1)[0]
+            self.block_copies.append((blocks[i].block_id, fresh.block_id))
+            self.pool.free_blocks([blocks[i]])  # the other holders keep it
+            blocks[i] = fresh
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
-        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(total, self.block_size) - len(blocks)
         if num_new_blocks > 0:
             blocks.extend(self.pool.get_new_blocks(num_new_blocks))
         return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """`child` shares the blocks holding `parent`'s first `num_tokens` tokens (a reference each, no copy)."""
+        blocks = self.req_blocks.get(parent.request_id, [])[:cdiv(num_tokens, self.block_size)]
+        self.has_forks = True
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.num_indexed[child.request_id] = min(self.num_indexed.get(parent.request_id, 0), len(blocks))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs recorded since the last call, in order (the step that writes applies them)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Index the request's blocks that are full of computed KV. Only computed blocks are indexed, so a

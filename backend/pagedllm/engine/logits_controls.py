@@ -1,5 +1,6 @@
-"""A request's token-level controls applied to its logits row (vLLM's semantics): `logit_bias` added,
-`allowed_token_ids` the only finite entries, and `bad_words` banned.
+"""A request's token-level controls applied to its logits row (vLLM's semantics): its offline
+`logits_processors` called in turn, then `logit_bias` added, `allowed_token_ids` the only finite entries, and
+`bad_words` banned.
 
 A bad word is a token sequence (the InputProcessor tokenizes each word with and without a leading space, as
 vLLM does): its last token is banned whenever the output so far ends with the word's other tokens, so a
@@ -9,6 +10,8 @@ single-token word is always banned and a longer one can never be completed.
 from __future__ import annotations
 
 import torch
+
+from pagedllm.sampling_params import num_positional_args
 
 
 def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
@@ -24,6 +27,15 @@ def tokenize_bad_words(tokenizer, words: list[str]) -> list[list[int]]:
 def apply_token_controls(row: torch.Tensor, req) -> None:
     """Edit one request's logits row in place."""
     p = req.sampling_params
+    for fn in p.logits_processors:
+        out = list(req.output_token_ids)
+        args = (out, row) if num_positional_args(fn) == 2 else (list(req.prompt_token_ids), out, row)
+        result = fn(*args)
+        if not isinstance(result, torch.Tensor) or result.shape != row.shape:
+            raise ValueError(f"logits processor {getattr(fn, '__name__', fn)!r} must return a tensor of shape "
+                             f"{tuple(row.shape)}, got {getattr(result, 'shape', type(result).__name__)}")
+        if result is not row:
+            row.copy_(result)
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)

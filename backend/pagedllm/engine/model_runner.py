@@ -26,6 +26,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
+        if step.block_copies:
+            self.copy_blocks(step.block_copies)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
             block_tables=torch.from_numpy(step.block_table).to(dev),
@@ -44,3 +46,12 @@ class ModelRunner:
             return torch.empty(0)
         # Every rank computes the logits: with a vocabulary-parallel LM head that is a collective.
         return self.model.compute_logits(hidden[torch.tensor(step.logits_indices, device=dev)])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (K and V, every layer) src -> dst. All sources are read before any destination is
+        written, so the pairs see the cache as the previous step left it (a backend's layout inside a block
+        moves with it)."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]

@@ -97,6 +97,8 @@ class Request:
         self.spec_draft_probs = None  # their draft distributions [k, V] when a sampled draft model made them
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        self.group = None  # the SampleGroup or BeamGroup this sequence belongs to (engine.request_groups)
+        self.seqs_to_reserve = 1  # sequence slots admission must find: more while forks are still to come
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request, and accepted
         self.num_accepted_draft_tokens = 0
 
@@ -137,6 +139,25 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def fork(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
+        """A copy of this sequence's tokens and progress under a new id (its blocks are shared by the KV
+        manager's `fork`); its status is WAITING until the scheduler places it."""
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.request_id = request_id
+        child.sampling_params = sampling_params or self.sampling_params
+        child.status = RequestStatus.WAITING
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.spec_token_ids, child.spec_draft_probs = [], None
+        child.prompt_logprobs = None
+        child.seqs_to_reserve = 1
+        child.generator = None
+        if child.sampling_params.seed is not None:
+            child.generator = torch.Generator().manual_seed(child.sampling_params.seed)
+        return child
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens after the first `num_output_tokens` (a stop inside an accepted speculative

@@ -68,9 +68,24 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
+    def add_fork(self, child: Request, parent: Request) -> None:
+        """A sequence forked from `parent` (engine.request_groups): it runs beside its parent on the blocks it
+        shares with it, or, if the parent holds none (preempted), waits to be computed afresh."""
+        self.requests[child.request_id] = child
+        child.first_scheduled_time = parent.first_scheduled_time
+        if parent.status == RequestStatus.RUNNING:
+            child.set_status(RequestStatus.RUNNING)
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            self.waiting.add_front(child)
+
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Finish a request in any live state; its blocks go back to the pool at once."""
         if req.is_finished:
+            return
+        if req.request_id not in self.requests:  # a sample that had not forked yet (request_groups)
+            req.set_status(status)
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -108,6 +123,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:
+                continue  # a beam whose candidates are in, waiting for its group to choose (engine.beam_search)
             spec = req.spec_token_ids[:budget - 1] if n == 1 else []  # drafts ride on a decode
             n += len(spec)
             preempted = False
@@ -138,12 +155,14 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if len(self.running) < self.config.max_num_seqs and self.kv.allocate_slots(req, n, hits):
+            # A request that will fork into several sequences (n, best_of, beams) is admitted with room for all.
+            if len(self.running) + req.seqs_to_reserve <= self.config.max_num_seqs and \
+                    self.kv.allocate_slots(req, n, hits):
                 self._admit(req, num_hit_tokens, now)
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
                 continue
-            victim = self._outranked_by(req)
+            victim = self._outranked_by(req) or self._idle()
             if victim is None:
                 break
             self._preempt(victim, out)
@@ -172,7 +191,16 @@ class Scheduler:
         victim = self._pick_victim()
         return victim if (victim.priority, victim.arrival_time) > (req.priority, req.arrival_time) else None
 
+    def _idle(self) -> Request | None:
+        """The latest running sequence with nothing to compute: a beam that has reported its candidates and
+        waits for its group. It yields first, so beams that cannot all hold KV at once still take turns
+        (its report stays; it is recomputed when it runs again)."""
+        return next((r for r in reversed(self.running) if r.num_computed_tokens == r.num_tokens), None)
+
     def _pick_victim(self) -> Request:
+        idle = self._idle()
+        if idle is not None:
+            return idle
         if self.config.scheduling_policy == "priority":
             # Lowest priority = largest value; among equals, the latest arrival yields.
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -206,7 +234,7 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # failed alone during this step (its sampling, say): nothing to advance
                 continue
-            tokens = sampled[req.request_id] if s.samples else []
+            tokens = sampled.get(req.request_id, []) if s.samples else []  # a beam's are chosen by its group
             # Valid KV this step: the non-draft tokens, plus the drafts that were accepted.
             req.num_computed_tokens += s.num_tokens - len(s.spec_tokens) + max(0, len(tokens) - 1)
             req.spec_token_ids, req.spec_draft_probs = [], None

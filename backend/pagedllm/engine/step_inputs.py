@@ -7,7 +7,7 @@ model of speculative decoding builds its own rows for its own sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,8 @@ class StepInputs:
     query_start_loc: list[int]  # [num_rows + 1]
     num_decodes: int
     logits_indices: list[int]  # token positions whose logits are returned, in order
+    # Copy-on-write of forked sequences' shared blocks, (src, dst) block ids: applied before the forward pass
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -103,6 +105,7 @@ def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
         rows.append(StepRow(known + s.spec_tokens if s.spec_tokens else known, begin,
                             kv.block_ids(req.request_id), prompt + sampling))
     step, order = build_step_inputs(rows, block_size)
+    step.block_copies = kv.take_block_copies()
     sampling_rows = [out.scheduled[i] for i in order if rows[i].num_logits > prompt_counts[i]]
     if not any(prompt_counts):
         return step, sampling_rows, None

@@ -74,16 +74,19 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
         check_model(body.model)
-        out = CompletionResponse(served, body.logprobs, _include_usage(body))
+        out = CompletionResponse(served, body.logprobs, _include_usage(body), n=body.n or 1)
+        ranked = (body.best_of or 1) > (body.n or 1)  # the best samples are known at the end only
         deltas = request.app.state.bridge.generate(out.id, completion_sampling(body), COMPLETION_PARAMS,
-                                                   prompt=body.prompt[0], logprobs=body.logprobs is not None)
+                                                   prompt=body.prompt[0], logprobs=body.logprobs is not None,
+                                                   deltas=bool(body.stream) or not ranked)
         return await _respond(request, out, deltas, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await request.body())
         check_model(body.model)
-        out = ChatResponse(served, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body))
+        out = ChatResponse(served, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body),
+                           n=body.n or 1)
         deltas = request.app.state.bridge.generate(out.id, chat_sampling(body), CHAT_PARAMS,
                                                    messages=body.messages, logprobs=bool(body.logprobs))
         return await _respond(request, out, deltas, bool(body.stream))

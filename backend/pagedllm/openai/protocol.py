@@ -107,14 +107,6 @@ class RequestBase(_Strict):
     def _one_or_many(cls, v):
         return [v] if isinstance(v, str) else v
 
-    # best_of is a completions field: check_fields=False lets this base class name it for its subclass.
-    @field_validator("n", "best_of", check_fields=False)
-    @classmethod
-    def _one_choice(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only 1 is supported")
-        return v
-
     @model_validator(mode="after")
     def _options_need_stream(self):
         if self.stream_options is not None and not self.stream:

@@ -2,8 +2,9 @@
 their streamed chunks, usage and logprobs in OpenAI's shapes.
 
 One object per request accumulates as the deltas arrive; a stream sends what `add` returns as it goes, a
-non-streamed request asks for `result()` at the end. Usage is exact: prompt tokens are the model's
-`num_input_tokens`, completion tokens the sum of its per-delta `num_output_tokens`.
+non-streamed request asks for `result()` at the end. With n > 1 each delta names its choice (`index`), and
+each choice has its own text, logprobs and finish reason. Usage is exact: prompt tokens are the model's
+`num_input_tokens`, completion tokens the sum of its per-delta `num_output_tokens` over every choice.
 """
 
 from __future__ import annotations
@@ -17,34 +18,45 @@ from pagedllm.openai.triton_bridge import Delta
 _MIN_LOGPROB = -9999.0
 
 
+class _Choice:
+    """One choice's text, logprob entries (in the endpoint's shape) and finish reason so far."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.tokens: list[dict] = []
+        self.finish_reason: str | None = None
+        self.offset = 0  # completions: text_offset of the next token, from the completion's start (no echo)
+
+
 class _Response:
     """The parts both endpoints share; `top_logprobs` None means logprobs were not asked for."""
 
     object_name = chunk_name = prefix = ""
 
-    def __init__(self, model: str, top_logprobs: int | None = None, include_usage: bool = False) -> None:
+    def __init__(self, model: str, top_logprobs: int | None = None, include_usage: bool = False,
+                 n: int = 1) -> None:
         self.id = self.prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.k = top_logprobs
         self.include_usage = include_usage
-        self.text: list[str] = []
-        self.tokens: list[dict] = []  # one logprob entry per generated token, in this endpoint's shape
+        self.choices = [_Choice(i) for i in range(n)]
         self.prompt_tokens = self.completion_tokens = 0
-        self.finish_reason: str | None = None
 
     def add(self, delta: Delta) -> list[dict]:
-        """Record a delta; the chunks to stream for it (its text, then a finishing chunk on the last)."""
+        """Record a delta; the chunks to stream for it (its text, then a finishing chunk on its choice's last)."""
         if delta.num_input_tokens is not None:
             self.prompt_tokens = delta.num_input_tokens
         self.completion_tokens += delta.num_output_tokens
-        self.text.append(delta.text)
-        new = [self._token(entry) for entry in delta.logprobs or ()] if self.k is not None else []
-        self.tokens.extend(new)
-        chunks = [self._chunk(delta.text, new)] if delta.text or new else []
+        choice = self.choices[delta.index]
+        choice.text.append(delta.text)
+        new = [self._token(choice, entry) for entry in delta.logprobs or ()] if self.k is not None else []
+        choice.tokens.extend(new)
+        chunks = [self._chunk(choice.index, delta.text, new)] if delta.text or new else []
         if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
-            chunks.append(self._finish_chunk())
+            choice.finish_reason = delta.finish_reason
+            chunks.append(self._finish_chunk(choice))
         return chunks
 
     def start_chunks(self) -> list[dict]:
@@ -73,13 +85,13 @@ class _Response:
         records = list(entry.values())
         return records[0], sorted(records, key=_rank)
 
-    def _token(self, entry: dict) -> dict:
+    def _token(self, choice: _Choice, entry: dict) -> dict:
         raise NotImplementedError
 
-    def _chunk(self, text: str, tokens: list[dict]) -> dict:
+    def _chunk(self, index: int, text: str, tokens: list[dict]) -> dict:
         raise NotImplementedError
 
-    def _finish_chunk(self) -> dict:
+    def _finish_chunk(self, choice: _Choice) -> dict:
         raise NotImplementedError
 
 
@@ -87,19 +99,15 @@ class CompletionResponse(_Response):
     object_name = chunk_name = "text_completion"
     prefix = "cmpl-"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.offset = 0  # text_offset of the next token, from the completion's start (no echo)
-
-    def _token(self, entry: dict) -> dict:
+    def _token(self, choice: _Choice, entry: dict) -> dict:
         sampled, ranked = self._ranked(entry)
         token = sampled.get("decoded_token") or ""
-        out = {"token": token, "logprob": _lp(sampled["logprob"]), "offset": self.offset,
+        out = {"token": token, "logprob": _lp(sampled["logprob"]), "offset": choice.offset,
                # OpenAI's legacy shape: the top k and the sampled token, so up to k + 1 entries.
                "top": {}}
         for r in ranked:  # two tokens may decode to the same text: the likelier one keeps the key
             out["top"].setdefault(r.get("decoded_token") or "", _lp(r["logprob"]))
-        self.offset += len(token)
+        choice.offset += len(token)
         return out
 
     @staticmethod
@@ -107,21 +115,21 @@ class CompletionResponse(_Response):
         return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
                 "top_logprobs": [t["top"] for t in tokens], "text_offset": [t["offset"] for t in tokens]}
 
-    def _choice(self, text: str, tokens: list[dict] | None, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None if tokens is None else self._logprobs(tokens),
+    def _choice(self, index: int, text: str, tokens: list[dict] | None, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None if tokens is None else self._logprobs(tokens),
                 "finish_reason": finish}
 
-    def _chunk(self, text: str, tokens: list[dict]) -> dict:
+    def _chunk(self, index: int, text: str, tokens: list[dict]) -> dict:
         logprobs = tokens if self.k is not None else None
-        return {**self._stream_head(), "choices": [self._choice(text, logprobs, None)]}
+        return {**self._stream_head(), "choices": [self._choice(index, text, logprobs, None)]}
 
-    def _finish_chunk(self) -> dict:
-        return {**self._stream_head(), "choices": [self._choice("", None, self.finish_reason)]}
+    def _finish_chunk(self, choice: _Choice) -> dict:
+        return {**self._stream_head(), "choices": [self._choice(choice.index, "", None, choice.finish_reason)]}
 
     def result(self) -> dict:
-        tokens = self.tokens if self.k is not None else None
-        return {**self._head(self.object_name), "choices": [self._choice("".join(self.text), tokens,
-                                                                         self.finish_reason)],
+        return {**self._head(self.object_name),
+                "choices": [self._choice(c.index, "".join(c.text), c.tokens if self.k is not None else None,
+                                         c.finish_reason) for c in self.choices],
                 "usage": self.usage()}
 
 
@@ -129,31 +137,31 @@ class ChatResponse(_Response):
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl-"
 
-    def _token(self, entry: dict) -> dict:
+    def _token(self, choice: _Choice, entry: dict) -> dict:
         sampled, ranked = self._ranked(entry)
         top = [r for r in ranked if _rank(r) <= self.k]  # the entry holds the top k, plus the sampled token
         return {**_chat_token(sampled), "top_logprobs": [_chat_token(r) for r in top]}
 
-    def _choice(self, delta: dict, tokens: list[dict] | None, finish: str | None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": None if tokens is None else {"content": tokens},
+    def _choice(self, index: int, delta: dict, tokens: list[dict] | None, finish: str | None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None if tokens is None else {"content": tokens},
                 "finish_reason": finish}
 
     def start_chunks(self) -> list[dict]:
         role = {"role": "assistant", "content": ""}
-        return [{**self._stream_head(), "choices": [self._choice(role, None, None)]}]
+        return [{**self._stream_head(), "choices": [self._choice(c.index, role, None, None)]} for c in self.choices]
 
-    def _chunk(self, text: str, tokens: list[dict]) -> dict:
+    def _chunk(self, index: int, text: str, tokens: list[dict]) -> dict:
         return {**self._stream_head(),
-                "choices": [self._choice({"content": text}, tokens if self.k is not None else None, None)]}
+                "choices": [self._choice(index, {"content": text}, tokens if self.k is not None else None, None)]}
 
-    def _finish_chunk(self) -> dict:
-        return {**self._stream_head(), "choices": [self._choice({}, None, self.finish_reason)]}
+    def _finish_chunk(self, choice: _Choice) -> dict:
+        return {**self._stream_head(), "choices": [self._choice(choice.index, {}, None, choice.finish_reason)]}
 
     def result(self) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)},
-                  "logprobs": None if self.k is None else {"content": self.tokens},
-                  "finish_reason": self.finish_reason}
-        return {**self._head(self.object_name), "choices": [choice], "usage": self.usage()}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": None if self.k is None else {"content": c.tokens},
+                    "finish_reason": c.finish_reason} for c in self.choices]
+        return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
 
 
 def _chat_token(record: dict) -> dict:

@@ -14,7 +14,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Request fields passed through under the same name.
 _PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens", "logit_bias",
-           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens")
+           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "n")
 
 
 def _common(req: RequestBase) -> dict:
@@ -33,6 +33,8 @@ def completion_sampling(req: CompletionRequest) -> dict:
     out["max_tokens"] = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     if req.logprobs is not None:
         out["logprobs"] = req.logprobs  # the sampled token's plus the top-k alternatives'
+    if req.best_of is not None:
+        out["best_of"] = req.best_of
     return out
 
 

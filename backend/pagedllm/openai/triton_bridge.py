@@ -2,7 +2,8 @@
 (`tritonclient.grpc.aio`), one stream per HTTP request.
 
 Every request runs with `stream=True` on the model (DELTA outputs), streamed to the HTTP client or not: one
-code path, and a non-streamed request is just the deltas joined. The stream's end for the request is Triton's
+code path, and a non-streamed request is just the deltas joined (except a completion with best_of > n, whose
+best samples are known only at the end: the model sends it as one final response, read the same way). The stream's end for the request is Triton's
 `triton_final_response` parameter (asked for with `triton_enable_empty_final_response`); an error response is
 always final (the model sends its errors with the FINAL flag). After it the stream is half-closed and Triton
 ends it with OK. Leaving the generator before that, by an exception, a cancellation (the HTTP client went away)
@@ -38,6 +39,7 @@ class Delta:
     finish_reason: str | None = None  # set on the last: "stop", "length" (or "timeout")
     # One entry per new token: {token_id: {"logprob", "rank", "decoded_token"}}, the sampled token first.
     logprobs: list[dict] | None = None
+    index: int = 0  # the choice (sample) it belongs to, with n > 1
 
 
 class TritonBridge:
@@ -57,11 +59,12 @@ class TritonBridge:
 
     async def generate(self, request_id: str, sampling: dict, params: dict[str, str], *,
                        prompt: str | None = None, messages: list | None = None,
-                       logprobs: bool = False) -> AsyncIterator[Delta]:
+                       logprobs: bool = False, deltas: bool = True) -> AsyncIterator[Delta]:
         """The request's deltas, in order; raises OpenAIError (`params` names request fields in its `param`).
-        Consume it inside `contextlib.aclosing` so that leaving early cancels the call at once."""
+        Consume it inside `contextlib.aclosing` so that leaving early cancels the call at once. `deltas`
+        False asks the model for one final response instead (best_of > n can only answer at the end)."""
         request = {"model_name": self.model_name, "request_id": request_id,
-                   "inputs": _inputs(sampling, prompt, messages, logprobs),
+                   "inputs": _inputs(sampling, prompt, messages, logprobs, deltas),
                    "parameters": {"triton_enable_empty_final_response": True}}
         finished = asyncio.Event()
 
@@ -75,12 +78,12 @@ class TritonBridge:
         ended = False  # the stream ended cleanly after the request's last response
         try:
             async for result, error in call:
-                delta, final = (None, True) if error is not None else _read(result)
+                deltas, final = ([], True) if error is not None else _read(result)
                 if final:
                     ended = await _end(call, finished)
                 if error is not None:
                     raise triton_errors.from_stream_message(error.message(), params)
-                if delta is not None:
+                for delta in deltas:
                     yield delta
                 if final:
                     return
@@ -106,7 +109,7 @@ async def _end(call, finished: asyncio.Event) -> bool:
         return False
 
 
-def _inputs(sampling: dict, prompt: str | None, messages: list | None, logprobs: bool) -> list:
+def _inputs(sampling: dict, prompt: str | None, messages: list | None, logprobs: bool, stream: bool) -> list:
     inputs = []
 
     def add(name: str, value, dtype: str) -> None:
@@ -120,7 +123,7 @@ def _inputs(sampling: dict, prompt: str | None, messages: list | None, logprobs:
         add("messages", json.dumps(messages).encode(), "BYTES")
     else:
         add("text_input", prompt.encode(), "BYTES")
-    add("stream", True, "BOOL")
+    add("stream", stream, "BOOL")
     add("sampling_parameters", json.dumps(sampling).encode(), "BYTES")
     add("exclude_input_in_output", True, "BOOL")  # OpenAI never repeats the prompt (echo is refused)
     for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
@@ -130,24 +133,27 @@ def _inputs(sampling: dict, prompt: str | None, messages: list | None, logprobs:
     return inputs
 
 
-def _read(result) -> tuple[Delta | None, bool]:
-    """(the response's delta, or None for an empty final response; whether it is the request's last)."""
+def _read(result) -> tuple[list[Delta], bool]:
+    """(the response's deltas: one per sequence it carries, none for an empty final response; whether it is the
+    request's last)."""
     response = result.get_response()
     final = ("triton_final_response" in response.parameters
              and response.parameters["triton_final_response"].bool_param)
     if not response.outputs:
-        return None, final
+        return [], final
 
-    def one(name: str):
+    def each(name: str) -> list:
         arr = result.as_numpy(name)
-        return None if arr is None or arr.size == 0 else arr.reshape(-1)[0]
+        return [] if arr is None else list(arr.reshape(-1))
 
-    text, reason, n_in, n_out, lps = (one(n) for n in ("text_output", "finish_reason", "num_input_tokens",
-                                                      "num_output_tokens", "logprobs"))
-    return Delta(text=_str(text), num_output_tokens=int(n_out or 0),
-                 num_input_tokens=None if n_in is None else int(n_in),
-                 finish_reason=_str(reason) or None,
-                 logprobs=None if lps is None else json.loads(_str(lps))), final
+    texts, reasons, n_outs, lps, index = (each(n) for n in ("text_output", "finish_reason", "num_output_tokens",
+                                                            "logprobs", "sequence_index"))
+    n_in = each("num_input_tokens")
+    return [Delta(text=_str(text), num_output_tokens=int(n_outs[i]) if n_outs else 0,
+                  num_input_tokens=int(n_in[0]) if n_in and i == 0 else None,
+                  finish_reason=_str(reasons[i]) or None if reasons else None,
+                  logprobs=json.loads(_str(lps[i])) if lps else None,
+                  index=int(index[i]) if index else 0) for i, text in enumerate(texts)], final
 
 
 def _str(value) -> str:

@@ -7,7 +7,8 @@ Accepts both anchors' tensor contracts so existing tools work unchanged:
   chat template; the output never repeats the prompt;
 - TensorRT-LLM ensemble: max_tokens, temperature, top_k/runtime_top_k, top_p/runtime_top_p, seed/random_seed,
   stop_words, bad_words, min_tokens/min_length, penalties, end_id, pad_id, return_log_probs (cum_log_probs,
-  output_log_probs), return_perf_metrics (KV reuse and timing outputs), beam_width (1 only),
+  output_log_probs), return_perf_metrics (KV reuse and timing outputs), beam_width with length_penalty and
+  early_stopping (beam search), num_return_sequences (samples, or the best beams returned),
   guided_decoding_guide_type + guided_decoding_guide (structured output; `structured_outputs` /
   `guided_decoding` in sampling_parameters is vllm_backend's way: serving/structured_inputs.py);
   pad_id is checked against the vocabulary and otherwise has nothing to do: TensorRT-LLM pads output_ids of
@@ -55,12 +56,13 @@ _JSON_PARAMS = {
     "min_tokens": int, "ignore_eos": bool, "logprobs": int, "presence_penalty": float,
     "frequency_penalty": float, "repetition_penalty": float, "skip_special_tokens": bool, "n": int,
     "include_stop_str_in_output": bool, "truncate_prompt_tokens": int, "detokenize": bool, "prompt_logprobs": int,
+    "best_of": int,
 }
 _JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int, "bad_words": str}
-_NULLABLE = {"seed", "max_tokens", "logprobs", "truncate_prompt_tokens", "prompt_logprobs"}
+_NULLABLE = {"seed", "max_tokens", "logprobs", "truncate_prompt_tokens", "prompt_logprobs", "best_of"}
 # Keys vLLM accepts whose only value here is vLLM's default (so a client written for vllm_backend that sends
 # them keeps working); any other value is refused rather than silently ignored.
-_JSON_DEFAULT_ONLY = {"best_of": (None, 1), "spaces_between_special_tokens": (True,)}
+_JSON_DEFAULT_ONLY = {"spaces_between_special_tokens": (True,)}
 
 # TensorRT-LLM-style scalar inputs -> SamplingParams field
 _TENSOR_PARAMS = {
@@ -68,8 +70,10 @@ _TENSOR_PARAMS = {
     "top_p": "top_p", "runtime_top_p": "top_p", "seed": "seed", "random_seed": "seed",
     "min_tokens": "min_tokens", "min_length": "min_tokens", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+    "beam_width": "beam_width", "length_penalty": "length_penalty",
 }
-_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "length_penalty"}
 _RETURN_FLAGS = {
     "return_finish_reason": "finish_reason", "return_cumulative_logprob": "cumulative_logprob",
     "return_logprobs": "logprobs", "return_num_input_tokens": "num_input_tokens",
@@ -77,11 +81,11 @@ _RETURN_FLAGS = {
     "return_perf_metrics": "perf_metrics",
 }
 # TensorRT-LLM inputs accepted at their default only (clients send them as such); any other value is refused.
-_TENSOR_DEFAULT_ONLY = {"num_return_sequences": (int, 1, "only 1 is supported (parallel sampling is not built)"),
-                        "return_context_logits": (bool, False, "logits are not returned"),
+_TENSOR_DEFAULT_ONLY = {"return_context_logits": (bool, False, "logits are not returned"),
                         "return_generation_logits": (bool, False, "logits are not returned")}
 KNOWN_INPUTS = ({"text_input", "messages", "stream", "guided_decoding_guide_type", "guided_decoding_guide", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
-                 "stop_words", "bad_words", "end_id", "pad_id", "beam_width", "ignore_eos"}
+                 "stop_words", "bad_words", "end_id", "pad_id", "ignore_eos", "early_stopping",
+                 "num_return_sequences"}
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS) | set(_TENSOR_DEFAULT_ONLY))
 
 
@@ -129,8 +133,14 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise InvalidRequest("guided_decoding_guide: needs guided_decoding_guide_type")
     if "ignore_eos" in inputs:
         kwargs["ignore_eos"] = _flag(inputs, "ignore_eos")
-    if "beam_width" in inputs and _scalar(inputs["beam_width"], "beam_width", int) != 1:
-        raise InvalidRequest("beam_width: only 1 is supported")
+    if "early_stopping" in inputs:
+        kwargs["early_stopping"] = _flag(inputs, "early_stopping")
+    # TensorRT-LLM's num_return_sequences: samples (n), or with beam search the best beams returned (all of
+    # them when it is not given, as TensorRT-LLM returns beam_width beams).
+    if "num_return_sequences" in inputs:
+        kwargs["n"] = _scalar(inputs["num_return_sequences"], "num_return_sequences", int)
+    elif kwargs.get("beam_width", 1) > 1 and "n" not in kwargs:
+        kwargs["n"] = kwargs["beam_width"]
     for name, (kind, default, why) in _TENSOR_DEFAULT_ONLY.items():
         if name in inputs and (_flag(inputs, name) if kind is bool else _scalar(inputs[name], name, kind)) != default:
             raise InvalidRequest(f"{name}: {why}")

@@ -26,31 +26,36 @@ class ResponseBuilder:
         self.tokens_so_far = 0  # output tokens of every response so far (a stream's responses carry deltas)
 
     def arrays_for(self, out: RequestOutput) -> dict[str, np.ndarray]:
-        """The output tensors to send for this engine output (a delta while streaming, else the final one)."""
-        c = out.outputs[0]
-        text = c.text
-        if not self.parsed.stream and not self.parsed.exclude_input_in_output:
-            text = self.parsed.prompt + text
-        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+        """The output tensors to send for this engine output (a delta while streaming, else the final one). The
+        per-sequence outputs have one element per completion the output carries: one, or with n > 1 or beam
+        search several, and then `sequence_index` says which sample or beam each element belongs to."""
+        cs = out.outputs
+        prefix = "" if self.parsed.stream or self.parsed.exclude_input_in_output else self.parsed.prompt
+        arrays = {"text_output": np.array([(prefix + c.text).encode("utf-8") for c in cs], dtype=np.object_)}
+        if self.parsed.params.num_sequences > 1:
+            arrays["sequence_index"] = np.array([c.index for c in cs], dtype=np.uint32)
         wanted = self.parsed.returns
         if "finish_reason" in wanted:
-            arrays["finish_reason"] = np.array([(c.finish_reason or "").encode()], dtype=np.object_)
+            arrays["finish_reason"] = np.array([(c.finish_reason or "").encode() for c in cs], dtype=np.object_)
         if "cumulative_logprob" in wanted:
-            arrays["cumulative_logprob"] = np.array([c.cumulative_logprob or 0.0], dtype=np.float32)
+            arrays["cumulative_logprob"] = np.array([c.cumulative_logprob or 0.0 for c in cs], dtype=np.float32)
         if "num_input_tokens" in wanted:
             arrays["num_input_tokens"] = np.array([self.num_input_tokens], dtype=np.uint32)
         if "num_output_tokens" in wanted:
-            arrays["num_output_tokens"] = np.array([len(c.token_ids)], dtype=np.uint32)
+            arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in cs], dtype=np.uint32)
         if "logprobs" in wanted:
-            arrays["logprobs"] = np.array([_logprobs_json(c.logprobs)], dtype=np.object_)
-        self.tokens_so_far += len(c.token_ids)
-        # TensorRT-LLM's (return_log_probs): the cumulative logprob per beam and this response's tokens'
-        # logprobs, [beams, tokens]; one beam here.
+            arrays["logprobs"] = np.array([_logprobs_json(c.logprobs) for c in cs], dtype=np.object_)
+        self.tokens_so_far += sum(len(c.token_ids) for c in cs)
+        # TensorRT-LLM's (return_log_probs): the cumulative logprob per sequence and this response's tokens'
+        # logprobs, [sequences, tokens] (a shorter sequence's row padded with 0).
         if "cum_log_probs" in wanted:
-            arrays["cum_log_probs"] = np.array([c.cumulative_logprob or 0.0], dtype=np.float32)
+            arrays["cum_log_probs"] = np.array([c.cumulative_logprob or 0.0 for c in cs], dtype=np.float32)
         if "output_log_probs" in wanted:
-            lps = [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs or ())]
-            arrays["output_log_probs"] = np.array([lps], dtype=np.float32).reshape(1, len(lps))
+            rows = [[entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs or ())] for c in cs]
+            table = np.zeros((len(rows), max(map(len, rows), default=0)), dtype=np.float32)
+            for i, row in enumerate(rows):
+                table[i, :len(row)] = row
+            arrays["output_log_probs"] = table
         if "perf_metrics" in wanted:
             arrays.update(self._perf_metrics(out))
         if out.prompt_logprobs is not None:  # asked for with sampling_parameters' prompt_logprobs
@@ -89,18 +94,25 @@ def _logprobs_json(logprobs) -> bytes:
 
 def coalesce(items: list) -> list:
     """When the sender falls behind, several DELTA outputs of one request wait in the queue: merge them into one
-    (text, tokens and logprobs joined, the newest state otherwise), so a busy server sends fewer, larger
-    responses."""
+    (each sequence's text, tokens and logprobs joined, the newest state otherwise), so a busy server sends
+    fewer, larger responses."""
     merged: dict[str, tuple] = {}
     for rid, out, err in items:
         prev = merged.get(rid)
         if prev is not None and prev[1] is not None and out is not None and prev[2] is None:
-            a, b = prev[1].outputs[0], out.outputs[0]
-            joined = dataclasses.replace(
-                b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                logprobs=None if b.logprobs is None else (a.logprobs or []) + b.logprobs)
-            out = dataclasses.replace(out, outputs=[joined],  # prompt logprobs come in a stream's first output
-                                      prompt_logprobs=prev[1].prompt_logprobs or out.prompt_logprobs)
+            out = _join(prev[1], out)
         merged.pop(rid, None)  # re-insert: keep the newest item's position
         merged[rid] = (rid, out, err)
     return list(merged.values())
+
+
+def _join(prev: RequestOutput, out: RequestOutput) -> RequestOutput:
+    by_index = {c.index: c for c in prev.outputs}
+    for b in out.outputs:
+        a = by_index.get(b.index)
+        by_index[b.index] = b if a is None else dataclasses.replace(
+            b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+            logprobs=None if b.logprobs is None else (a.logprobs or []) + b.logprobs)
+    return dataclasses.replace(out, outputs=[by_index[i] for i in sorted(by_index)],
+                               # prompt logprobs come in a stream's first output
+                               prompt_logprobs=prev.prompt_logprobs or out.prompt_logprobs)

@@ -256,12 +256,14 @@ class TritonPythonModel:
             code = pb_utils.TritonError.UNAVAILABLE if isinstance(err, (QueueFullError, EngineDeadError)) else pb_utils.TritonError.INVALID_ARG
             self._finish(rid, state, error=(str(err), code))
             return
-        reason = out.outputs[0].finish_reason
-        if reason == "abort":
+        reasons = {c.finish_reason for c in out.outputs}
+        if "abort" in reasons:
             msg = "request was cancelled" if state.cancelled else "request aborted: the model is being unloaded"
             self._finish(rid, state, error=(msg, pb_utils.TritonError.CANCELLED if state.cancelled else pb_utils.TritonError.UNAVAILABLE))
             return
-        if reason == "error":
+        if "error" in reasons:
+            if not out.finished:  # one sample of several failed: the request fails, its other samples stop
+                self.loop.abort(rid)
             self._finish(rid, state, error=(f"request failed: {out.error}", pb_utils.TritonError.INTERNAL))
             return
         arrays = state.builder.arrays_for(out)
