@@ -238,6 +238,28 @@ def test_fused_argmax_takes_the_first_of_ties(dtype):
     assert got[3] == 100 and got[4] == 1005 and got[5] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab,words", [(1, 1), (31, 1), (32, 1), (33, 2), (1000, 32), (32000, 1000),
+                                         (100, 2), (65, 3)])  # (100, 2) and (65, 3): a mask narrower / wider
+def test_token_mask_kernel_matches_the_reference(dtype, vocab, words):
+    from pagedllm_kernels.cpu import token_mask
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen).to(dtype)
+    rows = [7, 0, 3, 8]
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (len(rows), words), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    got, want = logits.clone(), logits.clone()
+    token_mask.mask_logits_(got, rows, bitmask)
+    token_mask.reference_mask_logits_(want, rows, bitmask)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 2, 4, 5, 6]], logits[[1, 2, 4, 5, 6]])  # rows without a mask are untouched
+    assert torch.equal(got[0], logits[0]) == (words * 32 >= vocab) and torch.isinf(got[3]).all()
+    with pytest.raises(RuntimeError, match="outside"):
+        token_mask.mask_logits_(got, [9], bitmask[:1])
+
+
 amx_ok, amx_why = amx_linear.amx_supported()
 
 

@@ -40,8 +40,10 @@ class ScriptedBridge:
     async def close(self) -> None:
         pass
 
-    async def generate(self, request_id, sampling, params, *, prompt=None, messages=None, logprobs=False):
-        self.calls.append({"sampling": sampling, "prompt": prompt, "messages": messages, "logprobs": logprobs})
+    async def generate(self, request_id, sampling, params, *, prompt=None, messages=None, logprobs=False,
+                       deltas=True):
+        self.calls.append({"sampling": sampling, "prompt": prompt, "messages": messages, "logprobs": logprobs,
+                           "deltas": deltas})
         try:
             for item in self.script:
                 if item == "stall":
@@ -213,3 +215,17 @@ def test_health_follows_the_model(bridge):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bridge.base + "/health")
     assert e.value.code == 503
+
+
+def test_n_choices_and_best_of_reach_the_model(bridge):
+    """Several choices: each delta lands in its own choice; best_of > n asks the model for one final response."""
+    bridge.script = [Delta("a", 1, 4, index=1), Delta("b", 1, None, index=0), Delta("c", 1, None, "length", index=1),
+                     Delta("", 0, None, "stop", index=0)]
+    status, body = post(bridge, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2})
+    got = json.loads(body)
+    assert status == 200 and [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == [
+        (0, "b", "stop"), (1, "ac", "length")]
+    assert got["usage"]["completion_tokens"] == 3 and bridge.calls[-1]["sampling"]["n"] == 2
+    assert bridge.calls[-1]["deltas"] is True
+    post(bridge, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 3})
+    assert bridge.calls[-1]["deltas"] is False and bridge.calls[-1]["sampling"]["best_of"] == 3

@@ -40,7 +40,7 @@ from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
 from pagedllm.models.checkpoint import load_tokenizer
-from pagedllm.models.layers.fused import load_fused_ops
+from pagedllm.models.layers.fused import load_fused_ops, load_token_mask
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ class LLMEngine:
             raise
         fused = load_fused_ops() if config.fused_cpu_ops else None
         self.sampler = Sampler(config.seed, fused)
-        self.grammar_masks = GrammarMasks()
+        self.grammar_masks = GrammarMasks(load_token_mask() if config.fused_cpu_ops else None)
         self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len)
         self.groups = RequestGroups(self.scheduler, self.kv, self.output_processor, info.eos_token_ids,
                                     lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -160,10 +160,8 @@ class LLMEngine:
         return self.executor.healthy
 
     def shutdown(self) -> None:
-        """Stop worker processes (tensor parallelism) and the grammar-mask thread. Idempotent; the engine cannot
-        step afterwards."""
+        """Stop worker processes (tensor parallelism). Idempotent; the engine cannot step afterwards."""
         self.executor.shutdown()
-        self.grammar_masks.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -186,8 +184,6 @@ class LLMEngine:
         step, sampling_rows, prompt_logits = prepare_step(sched, self.kv, self.config.cache.block_size)
         if self.faults is not None:
             self.faults.check("forward", [s.request for s in sched.scheduled])
-        # Constrained rows' grammar masks are filled while the model runs (constrained requests have no drafts).
-        masks = self.grammar_masks.start([s.request for s in sampling_rows if not s.spec_tokens])
         logits = self.executor.execute_step(step)
         if prompt_logits is not None:  # prompt logprobs recorded, and their rows dropped before sampling
             tok = self.output_processor.tokenizer
@@ -195,7 +191,7 @@ class LLMEngine:
                 decode = (lambda t: tok.decode([t])) if s.request.sampling_params.detokenize else None
                 record_prompt_logprobs(s.request, logits[at:at + n], first, decode)
             logits = logits[prompt_logits.keep]
-        emitted = self._sample(logits, sampling_rows, outputs, masks) if sampling_rows else {}
+        emitted = self._sample(logits, sampling_rows, outputs) if sampling_rows else {}
         got = self.scheduler.update_from_output(
             sched, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
         got += self.groups.after_step(emitted, outputs)  # samples fork, beams choose
@@ -236,8 +232,8 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], outputs: list[RequestOutput],
-                masks=None) -> dict[str, list[SampledToken]]:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest],
+                outputs: list[RequestOutput]) -> dict[str, list[SampledToken]]:
         """Tokens emitted per request: one from the sampler, or from verifying a request's draft tokens. A
         request whose sampling or verification fails is finished with an error (its output joins `outputs`)."""
         starts, at = [], 0
@@ -249,8 +245,10 @@ class LLMEngine:
         if plain:
             # Without drafts every row is one plain row, in order: no copy of the logits.
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
-            GrammarMasks.apply(picked, masks)  # the constrained rows' (in place; the others untouched)
             reqs = [rows[i].request for i in plain]
+            # The constrained rows' grammar masks (in place; the others untouched; constrained requests have no
+            # drafts). With a GPU the forward pass may still be running: the fill overlaps it.
+            self.grammar_masks.apply(picked, reqs)
             keep, extra = self.groups.route_rows(picked, reqs)  # beams report; waiting samples join
             if len(keep) < len(reqs) or extra:
                 picked = picked[keep + [j for j, _ in extra]]
@@ -338,10 +336,12 @@ class LLMEngine:
         outputs = [self.output_processor.finish(req)] if req.group is None else self.groups.finished(req)
         for out in outputs:
             if out.finished:  # one count per caller's request, whatever its number of sequences
-                reason = req.status.finish_reason
-                self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+                # Observed before counted: an exporter that reads the counts, then drains the observations,
+                # never sees a finished request whose measurements are not queued yet.
                 if self.observations is not None:
                     self.observations.request_finished(req)
+                reason = req.status.finish_reason
+                self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
         return outputs
 
     # --- introspection ------------------------------------------------------------------

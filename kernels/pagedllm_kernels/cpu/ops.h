@@ -17,6 +17,8 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 torch::Tensor silu_and_mul(torch::Tensor x);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax(torch::Tensor x);
+// token_mask.cpp
+void mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
 // amx_linear.cpp
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
 void amx_unpack_weight(torch::Tensor packed, torch::Tensor out);

@@ -1,7 +1,7 @@
 """One request's grammar state (an xgrammar matcher) and the per-step bitmask over a batch.
 
-Only the rows of constrained requests are touched: `GrammarMasks` fills their masks while the model runs and
-masks their logits in place before the sampler sees them, so free requests in the same batch keep the
+Only the rows of constrained requests are touched: `GrammarMasks` fills their masks and masks their logits in
+place before the sampler sees them, so free requests in the same batch keep the
 sampler's fast paths. The matcher advances by the tokens
 the output processor accepts (one per step: speculative decoding is turned off for constrained requests,
 whose drafts nobody would check against the grammar). Preemption keeps the request's output tokens, so its
@@ -9,8 +9,6 @@ matcher stays valid through a recompute.
 """
 
 from __future__ import annotations
-
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -32,49 +30,45 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 class GrammarMasks:
-    """Each step's token masks for the constrained rows, filled on a thread of its own while the model runs
-    (the fill is the costly part, ~40 us per row; the model's kernels release the GIL), then applied to the
-    logits in one masked fill. xgrammar's batch fill was measured slower here (2.3 ms against 1.2 ms for 32
-    rows on 2 cores, its threads competing with torch's)."""
+    """The constrained rows' token masks: filled by xgrammar once the forward pass has been launched (on a GPU
+    the fill overlaps it; on the CPU it follows it), then applied to the logits in place before sampling.
 
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+    Measured on 2 cores (perf/structured_output.py, 19M model): filling on a thread of its own while the forward
+    pass runs, or ahead from the end of the previous step, was no faster than filling here (0.78-0.81 against
+    0.80-0.84 of the free batch's speed in interleaved runs): the fill releases the GIL, but its thread competes
+    with torch's threads for the cores. xgrammar's batch fill was slower still. The mask itself is applied on
+    the CPU by our AVX-512 kernel (pagedllm_kernels.cpu.token_mask) straight from the bitmask, one masked
+    store per 32 tokens: ~30 us for 32 rows of a 32k vocabulary, against ~2-4 ms for torch's bit expansion and
+    masked fill (its torch reference, still used off the CPU)."""
 
-    def start(self, reqs: list) -> Future | None:
-        """Begin filling the masks of `reqs`' constrained rows (their matchers are final for this step)."""
+    def __init__(self, kernel=None) -> None:
+        """`kernel`: the token_mask module (None: the torch reference everywhere)."""
+        self.kernel = kernel
+
+    @torch.inference_mode()  # the logits are an inference tensor
+    def apply(self, logits: torch.Tensor, reqs: list) -> None:
+        """Mask, in place, the logits rows of `reqs`' constrained requests (row i is reqs[i]; the others are
+        untouched)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
-        return self._pool.submit(_fill, rows, [reqs[i].grammar for i in rows])
-
-    @staticmethod
-    @torch.inference_mode()  # the logits are an inference tensor
-    def apply(logits: torch.Tensor, pending: Future | None) -> None:
-        """Mask, in place, the logits of the rows `pending` filled (the others untouched)."""
-        if pending is None:
             return
-        rows, bitmask = pending.result()
-        vocab = logits.shape[-1]
-        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        bitmask = _fill([reqs[i].grammar for i in rows])
+        on_cpu = logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype in (torch.float32,
+                                                                                           torch.bfloat16)
+        if self.kernel is not None and on_cpu:
+            self.kernel.mask_logits_(logits, rows, bitmask)
+        else:
+            from pagedllm_kernels.cpu.token_mask import reference_mask_logits_
 
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            reference_mask_logits_(logits, rows, bitmask.to(logits.device))
 
 
-def _fill(rows: list[int], grammars: list[RequestGrammar]) -> tuple[list[int], torch.Tensor]:
-    """A compact [len(rows), vocab/32] bitmask, row j for rows[j]."""
+def _fill(grammars: list[RequestGrammar]) -> torch.Tensor:
+    """A compact [len(grammars), vocab/32] bitmask, row j for grammars[j]."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), grammars[0].matcher_vocab_size)
+    bitmask = xgr.allocate_token_bitmask(len(grammars), grammars[0].matcher_vocab_size)
     for j, g in enumerate(grammars):
         g.matcher.fill_next_token_bitmask(bitmask, j)
-    return rows, bitmask
+    return bitmask

@@ -8,6 +8,7 @@ held token-identical to transformers.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from types import ModuleType
 
@@ -20,13 +21,22 @@ logger = logging.getLogger(__name__)
 def load_fused_ops() -> ModuleType | None:
     """The fused-ops module, or None (the reason logged) where it cannot be built here: no AVX-512, no compiler,
     no ninja."""
+    return _load_cpu_kernels("fused_ops")
+
+
+def load_token_mask() -> ModuleType | None:
+    """The token-mask kernel's module (structured output's masks on CPU logits), or None likewise."""
+    return _load_cpu_kernels("token_mask")
+
+
+def _load_cpu_kernels(name: str) -> ModuleType | None:
     try:
-        from pagedllm_kernels.cpu import build, fused_ops
+        from pagedllm_kernels.cpu import build
 
         build.extension()
-        return fused_ops
+        return importlib.import_module(f"pagedllm_kernels.cpu.{name}")
     except Exception as e:
-        logger.info("fused CPU ops unavailable (%s: %s); using torch ops", type(e).__name__, e)
+        logger.info("CPU kernels (%s) unavailable (%s: %s); using torch ops", name, type(e).__name__, e)
         return None
 
 
