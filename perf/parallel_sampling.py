@@ -1,7 +1,8 @@
 """What forking saves: `n` samples of each prompt (prefilled once, blocks shared, the last one copied on write)
 against the same samples sent as n independent requests with the derived seeds (each prefills its prompt),
-in one engine, interleaved over several rounds after a warm-up. Both make the same tokens (asserted), so the
-ratio is wall time; the KV blocks in use at the peak are reported for each.
+in one engine, interleaved over several rounds after a warm-up, with prefix caching on (independent copies
+then share the prompt's blocks too, once one has computed them) and off. Both make the same tokens (counted),
+so the ratio is wall time; the KV blocks in use at the peak are reported for each.
 
     .venv/bin/python perf/parallel_sampling.py [--quick] [--size small|125m] [--rounds 3] [--n 4]
 """
@@ -41,43 +42,37 @@ def main() -> None:
     args = ap.parse_args()
     size, rounds, num = ("tiny", 1, 4) if args.quick else (args.size, args.rounds, args.prompts)
     n = args.n
-    llm = LLM(
-        model_dir("llama", size, "bfloat16"),
-        dtype="bfloat16",
-        max_model_len=1024,
-        kv_cache_memory_bytes=1 << 30,
-        max_num_seqs=num * n,
-    )
+    for caching in (True, False):
+        llm = LLM(model_dir("llama", size, "bfloat16"), dtype="bfloat16", max_model_len=1024,
+                  kv_cache_memory_bytes=1 << 30, max_num_seqs=num * n, enable_prefix_caching=caching)
+        measure(llm, num, n, rounds, args.max_tokens, size, caching)
+
+
+def measure(llm, num: int, n: int, rounds: int, max_tokens: int, size: str, caching: bool) -> None:
     prompts = random_workload(num, 256, 512, 2000, seed=2)
-    kw = dict(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    kw = dict(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     forked = [(p, SamplingParams(n=n, seed=1000 * i, **kw)) for i, p in enumerate(prompts)]
     separate = [(p, SamplingParams(seed=1000 * i + j, **kw)) for i, p in enumerate(prompts) for j in range(n)]
     run(llm, forked[:2])  # warm-up: kernels, attention race, allocator
     run(llm, separate[:2])
-    ratios, peaks = [], None
+    ratios, peaks, same, total = [], None, 0, 0
     for _ in range(rounds):
+        if caching:
+            llm.reset_prefix_cache()  # each round starts cold: no prompt is cached from the one before
         tf, of, pf = run(llm, forked)
+        if caching:
+            llm.reset_prefix_cache()
         ts, os_, ps = run(llm, separate)
         tokens_f = [c.token_ids for o in of for c in o.outputs]
         tokens_s = [o.outputs[0].token_ids for o in os_]
         ratios.append(ts / tf)
         peaks = (pf, ps)
-        same = sum(a == b for a, b in zip(tokens_f, tokens_s))
-    emit(
-        {
-            "model": f"llama-{size}",
-            "prompts": num,
-            "n": n,
-            "prompt_tokens": "256-512",
-            "max_tokens": args.max_tokens,
-            "speedup_per_round": [round(r, 3) for r in ratios],
-            "speedup_median": round(statistics.median(ratios), 3),
-            "peak_kv_blocks_forked": peaks[0],
-            "peak_kv_blocks_separate": peaks[1],
-            "kv_ratio_separate_over_forked": round(peaks[1] / peaks[0], 2),
-            "identical_samples": f"{same}/{len(tokens_s)}",
-        }
-    )
+        same, total = sum(a == b for a, b in zip(tokens_f, tokens_s)), len(tokens_s)
+    emit({"model": f"llama-{size}", "prefix_caching": caching, "prompts": num, "n": n, "prompt_tokens": "256-512",
+          "max_tokens": max_tokens, "speedup_per_round": [round(r, 3) for r in ratios],
+          "speedup_median": round(statistics.median(ratios), 3), "peak_kv_blocks_forked": peaks[0],
+          "peak_kv_blocks_separate": peaks[1], "kv_ratio_separate_over_forked": round(peaks[1] / peaks[0], 2),
+          "identical_samples": f"{same}/{total}"})
 
 
 if __name__ == "__main__":
