@@ -30,6 +30,12 @@ def hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping):
     return [s[len(prompt) :].tolist() for s in out.sequences], out.sequences_scores.tolist()
 
 
+def our_beams(llm, prompt, max_tokens, length_penalty, early_stopping):
+    params = BeamSearchParams(beam_width=4, max_tokens=max_tokens, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+    return llm.beam_search([{"prompt_token_ids": prompt}], params)[0]
+
+
 def strip_padding(seqs, ours):
     """transformers right-pads shorter beams (after their EOS): cut each to our beam's length."""
     return [
@@ -49,12 +55,7 @@ def test_width_4_equals_transformers(llama, length_penalty, early_stopping):
     hf, llm = llama
     for prompt in random_prompts([21, 5, 40], seed=1):
         expected, scores = hf_beams(hf, prompt, 4, 16, length_penalty, early_stopping)
-        out = llm.beam_search(
-            [{"prompt_token_ids": prompt}],
-            BeamSearchParams(
-                beam_width=4, max_tokens=16, length_penalty=length_penalty, early_stopping=early_stopping
-            ),
-        )[0]
+        out = our_beams(llm, prompt, 16, length_penalty, early_stopping)
         got = [c.token_ids for c in out.outputs]
         assert strip_padding(expected, got) == got
         lengths = [len(t) for t in got]
@@ -94,12 +95,7 @@ def test_beams_that_end_in_eos_match_transformers(llama_dir, llama, tmp_path):
     for length_penalty, early_stopping in CASES:
         for prompt in prompts:
             expected, _ = hf_beams(hf_eos, prompt, 4, 12, length_penalty, early_stopping)
-            out = ours_eos.beam_search(
-                [{"prompt_token_ids": prompt}],
-                BeamSearchParams(
-                    beam_width=4, max_tokens=12, length_penalty=length_penalty, early_stopping=early_stopping
-                ),
-            )[0]
+            out = our_beams(ours_eos, prompt, 12, length_penalty, early_stopping)
             got = [c.token_ids for c in out.outputs]
             assert strip_padding(expected, got) == got
             ended += sum(c.finish_reason == "stop" and c.token_ids[-1] == eos for c in out.outputs)

@@ -142,7 +142,10 @@ class Request:
 
     def fork(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
         """A copy of this sequence's tokens and progress under a new id (its blocks are shared by the KV
-        manager's `fork`); its status is WAITING until the scheduler places it."""
+        manager's `fork`); its status is WAITING until the scheduler places it. Beams fork; a constrained
+        sequence cannot (its grammar matcher is its own), nor can structured output run beam search."""
+        if self.grammar is not None:
+            raise ValueError("a sequence with a grammar cannot fork")
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.request_id = request_id
