@@ -5,6 +5,7 @@ import pytest
 
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.sampling_params import RequestOutputKind
 
 # Around block boundaries (block size 16): a partly filled last block (copied) and a full one (nothing to copy).
@@ -161,4 +162,16 @@ def test_n_and_best_of_are_validated(llm):
     small = llm.engine.config.scheduler.max_num_seqs
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate(prompt, SamplingParams(n=small + 1), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_a_full_queue_refuses_a_group_and_registers_nothing(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, max_queue_size=1)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [0, 5, 6]}, SamplingParams(max_tokens=4), request_id="one")
+    with pytest.raises(QueueFullError):
+        engine.add_request({"prompt_token_ids": [0, 7, 8]}, SamplingParams(n=3, max_tokens=4), request_id="group")
+    assert "group" not in engine.groups and list(engine.output_processor.states) == ["one"]
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_all_blocks_free(llm)

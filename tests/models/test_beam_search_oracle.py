@@ -156,3 +156,17 @@ def test_beam_search_with_preemption_gives_the_same_beams(llama_dir, llama):
 def test_what_beam_search_does_not_combine_with_is_refused(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(beam_width=2, **({"temperature": 0} | kw))
+
+
+def test_beams_that_time_out_together_end_the_request_once(llama):
+    _, llm = llama
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": random_prompts([20], seed=3)[0]},
+                       SamplingParams(beam_width=4, temperature=0, max_tokens=200, ignore_eos=True),
+                       request_id="slow", timeout=0.05)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 1 and outs[0].finished and outs[0].request_id == "slow"
+    assert {c.finish_reason for c in outs[0].outputs} == {"timeout"}
+    assert_all_blocks_free(llm)

@@ -56,8 +56,7 @@ class BeamGroup:
         self.reports: dict[str, torch.Tensor] = {}
         self.num_generated = 0
         self.done = False
-        self.prompt, self.prompt_token_ids = first_beam.prompt, list(first_beam.prompt_token_ids)
-        self.num_cached_tokens = 0
+        self.first_beam = first_beam  # its admission tells the prompt's prefix-cache hits
 
     def report(self, beam, logprobs: torch.Tensor) -> None:
         """A beam's next-token log-probs (fp32, [V]); a beam recomputed after preemption reports again."""
@@ -139,16 +138,9 @@ class BeamGroup:
             CompletionOutput(i, self.decode(tokens), tokens, total, self._entries(tokens, lps), reason)
             for i, (tokens, total, lps, reason) in enumerate(hyps[: self.params.n])
         ]
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            outputs,
-            True,
-            self.num_cached_tokens,
-            None,
-            None,
-        )
+        first = self.first_beam
+        return RequestOutput(self.request_id, first.prompt, list(first.prompt_token_ids), outputs, True,
+                             first.num_cached_tokens, None, None)
 
     def _entries(self, tokens: list[int], logprobs: list[tuple[float, int]]):
         """The tokens' own logprobs, vLLM-shaped, when the request asked for them (logprobs=0)."""

@@ -140,7 +140,7 @@ class Request:
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
-    def fork(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
+    def fork(self, request_id: str) -> Request:
         """A copy of this sequence's tokens and progress under a new id (its blocks are shared by the KV
         manager's `fork`); its status is WAITING until the scheduler places it. Beams fork; a constrained
         sequence cannot (its grammar matcher is its own), nor can structured output run beam search."""
@@ -149,7 +149,6 @@ class Request:
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.request_id = request_id
-        child.sampling_params = sampling_params or self.sampling_params
         child.status = RequestStatus.WAITING
         child.all_token_ids = list(self.all_token_ids)
         child.output_token_ids = list(self.output_token_ids)
@@ -157,9 +156,7 @@ class Request:
         child.spec_token_ids, child.spec_draft_probs = [], None
         child.prompt_logprobs = None
         child.seqs_to_reserve = 1
-        child.generator = None
-        if child.sampling_params.seed is not None:
-            child.generator = torch.Generator().manual_seed(child.sampling_params.seed)
+        child.generator = None  # beams do not sample
         return child
 
     def truncate_output(self, num_output_tokens: int) -> None:

@@ -46,15 +46,16 @@ class RequestGroups:
         else:
             members = [make(f"{request_id}#s{i}", sp) for i, sp in enumerate(sample_params(params))]
             group = SampleGroup(request_id, params, members)
-            for m in members:
-                self.output_processor.add_request(m)
         taken = [m.request_id for m in members if m.request_id in self.scheduler.requests]
         if taken:
             raise ValueError(f"request_id: {taken[0]!r} is already in use")
         for m in members:
             m.group = group
         members[0].seqs_to_reserve = params.num_sequences
-        self.scheduler.add_request(members[0])
+        self.scheduler.add_request(members[0])  # a full queue raises here: nothing is registered yet
+        if isinstance(group, SampleGroup):  # beams never reach the output processor (the group decides)
+            for m in members:
+                self.output_processor.add_request(m)
         self.groups[request_id] = group
 
     def _beam_id(self, request_id: str) -> str:
@@ -148,7 +149,8 @@ class RequestGroups:
         the same way); a beam search ends at once with that reason, its other beams dropped."""
         group = req.group
         if isinstance(group, BeamGroup):
-            self.groups.pop(group.request_id, None)
+            if self.groups.pop(group.request_id, None) is None:
+                return []  # already ended: its beams timed out together, and the first one ended it
             for beam in group.beams:
                 if beam is not req:
                     self.scheduler.finish_request(beam, RequestStatus.FINISHED_ABORTED)

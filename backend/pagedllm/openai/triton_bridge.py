@@ -3,9 +3,9 @@
 
 Every request runs with `stream=True` on the model (DELTA outputs), streamed to the HTTP client or not: one
 code path, and a non-streamed request is just the deltas joined (except a completion with best_of > n, whose
-best samples are known only at the end: the model sends it as one final response, read the same way). The stream's end for the request is Triton's
-`triton_final_response` parameter (asked for with `triton_enable_empty_final_response`); an error response is
-always final (the model sends its errors with the FINAL flag). After it the stream is half-closed and Triton
+best samples are known only at the end: the model sends it as one final response, read the same way). The
+stream's end for the request is Triton's `triton_final_response` parameter (asked for with
+`triton_enable_empty_final_response`); an error response is always final (the model sends its errors with the FINAL flag). After it the stream is half-closed and Triton
 ends it with OK. Leaving the generator before that, by an exception, a cancellation (the HTTP client went away)
 or `aclose()`, cancels the gRPC call; Triton then cancels the stream's in-flight request and the model aborts
 it and frees its KV blocks. (A finished request's stream is never cancelled: with Triton 2.51, cancelling one
@@ -78,12 +78,12 @@ class TritonBridge:
         ended = False  # the stream ended cleanly after the request's last response
         try:
             async for result, error in call:
-                deltas, final = ([], True) if error is not None else _read(result)
+                got, final = ([], True) if error is not None else _read(result)
                 if final:
                     ended = await _end(call, finished)
                 if error is not None:
                     raise triton_errors.from_stream_message(error.message(), params)
-                for delta in deltas:
+                for delta in got:
                     yield delta
                 if final:
                     return
