@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_info.txt"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/attention/test_attention_backends.py \
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 300 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {"LLM": "pagedllm.llm", "SamplingParams": "pagedllm.sampling_params",
-           "BeamSearchParams": "pagedllm.sampling_params",
+           "BeamSearchParams": "pagedllm.sampling_params", "LoRARequest": "pagedllm.lora_request",
            "RequestOutput": "pagedllm.outputs", "CompletionOutput": "pagedllm.outputs"}
 __all__ = list(_PUBLIC)
 

@@ -82,6 +82,56 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving. `lora_modules` declares adapters by name: {name: path} (ids 1, 2, ... in order),
+    or a list of {"name", "path", "id"?} objects or "name=path" strings (vLLM's --lora-modules); normalised to
+    ((name, path, id), ...). Undeclared adapters can still come with a request (offline LoRARequest)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once (distinct adapters one step can run); others evicted LRU
+    max_lora_rank: int = 16  # adapters of a higher rank are refused at load
+    max_cpu_loras: int | None = None  # adapters kept loaded in host memory, LRU (None: every one used)
+    lora_modules: tuple = ()
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enable_lora, bool), "enable_lora", "must be true or false")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _require(_int(value) and 1 <= value <= 1024, name, f"must be an integer in [1, 1024], got {value!r}")
+        _require(self.max_cpu_loras is None or (_int(self.max_cpu_loras) and self.max_cpu_loras >= self.max_loras),
+                 "max_cpu_loras", f"must be an integer >= max_loras, got {self.max_cpu_loras!r}")
+        modules = _lora_modules(self.lora_modules)
+        _require(not modules or self.enable_lora, "lora_modules", "declared adapters need enable_lora: true")
+        object.__setattr__(self, "lora_modules", modules)
+
+
+def _lora_modules(spec) -> tuple:
+    """lora_modules in any of its accepted forms -> ((name, path, id), ...), names and ids unique."""
+    if isinstance(spec, dict):
+        spec = [{"name": k, "path": v} for k, v in spec.items()]
+    _require(isinstance(spec, (list, tuple)), "lora_modules", f"expected an object or a list, got {spec!r}")
+    out, next_id = [], 1
+    for entry in spec:
+        if isinstance(entry, str) and "=" in entry:
+            name, path = entry.split("=", 1)
+            entry = {"name": name, "path": path}
+        elif isinstance(entry, (list, tuple)) and len(entry) == 3:
+            entry = dict(zip(("name", "path", "id"), entry))
+        _require(isinstance(entry, dict) and set(entry) <= {"name", "path", "id"} and "name" in entry
+                 and "path" in entry, "lora_modules", f"each adapter needs a name and a path, got {entry!r}")
+        name, path, lid = entry["name"], entry["path"], entry.get("id", next_id)
+        _require(isinstance(name, str) and name and isinstance(path, str) and path, "lora_modules",
+                 f"name and path must be non-empty strings, got {entry!r}")
+        _require(_int(lid) and lid >= 1, "lora_modules", f"{name}: id must be an integer >= 1, got {lid!r}")
+        out.append((name, path, lid))
+        next_id = max(next_id, lid) + 1
+    names, ids = [m[0] for m in out], [m[2] for m in out]
+    _require(len(set(names)) == len(names), "lora_modules", f"adapter names repeat: {names}")
+    _require(len(set(ids)) == len(ids), "lora_modules", f"adapter ids repeat: {ids}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class FaultInjection:
     """Test-only: make one point of the engine raise, to prove that a failure costs only what it should.
     `point`: "sample", "detokenize", "propose" (failures that belong to one request: they fire for requests
@@ -192,6 +242,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -213,7 +264,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
         """Sort flat keyword arguments into the nested configs; unknown names are an error."""
-        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "limits": RequestLimits}
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig, "limits": RequestLimits, "lora": LoRAConfig}
         nested: dict[str, dict] = {name: {} for name in groups}
         top: dict = {}
         top_names = {f.name for f in dataclasses.fields(cls)} - set(groups)

@@ -133,3 +133,31 @@ def first_layers_model(src_dir: str, out_dir: str, layers: int) -> str:
     keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     save_file(keep, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(model_dir: str, out_dir: str, rank: int = 8, seed: int = 0,
+                      targets: tuple[str, ...] = LORA_TARGETS, alpha: float | None = None,
+                      use_rslora: bool = False, scale: float = 1.0, **lora_config) -> str:
+    """A PEFT LoRA adapter with random A and B for the model at `model_dir`, saved by PEFT itself
+    (adapter_config.json + adapter_model.safetensors). `scale` multiplies B (how far the adapter moves the
+    model); `lora_config`: more LoraConfig fields (alpha_pattern, rank_pattern, ...). Needs the `peft` package
+    (a test dependency)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=list(targets),
+                        init_lora_weights=False, use_rslora=use_rslora, **lora_config)
+    model = get_peft_model(base, config)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name or "lora_embedding_B" in name:
+                    p.mul_(scale)
+    model.save_pretrained(out_dir)
+    return out_dir

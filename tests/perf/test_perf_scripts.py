@@ -22,6 +22,8 @@ def run(script, *args):
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
     ("parallel_sampling.py", ["--quick"], "speedup_median"),
+    ("lora.py", ["--quick"], "ratio_median"),
+    ("lora.py", ["--deltas"], "speedup"),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

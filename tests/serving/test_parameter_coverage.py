@@ -35,6 +35,10 @@ VLLM_KEYS = [
     "spaces_between_special_tokens", "logits_processors", "truncate_prompt_tokens", "guided_decoding",
     "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "output_kind",
 ]
+# vllm_backend's own sampling_parameters keys (read beside SamplingParams').
+VLLM_BACKEND_KEYS = ["lora_name"]
+# LoRA: checked against an engine serving one declared adapter (lora_llm below).
+LORA = {"lora_name", "lora_task_id"}
 # vllm_backend's tensors.
 VLLM_TENSORS = [
     "text_input", "stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
@@ -91,7 +95,7 @@ def serve(llm, inputs: dict) -> Served:
     ip = llm.engine.input_processor
     if parsed.pad_id is not None:
         ip.check_token_ids("pad_id", [parsed.pad_id])
-    processed = ip.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
+    processed = ip.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout, parsed.lora)
     llm.engine.add_request(processed)
     builder = ResponseBuilder(parsed, len(processed.prompt_token_ids))
     responses, final = [], None
@@ -220,7 +224,7 @@ UNKNOWN_TRTLLM = {
     "return_kv_cache_reuse_stats": t(True), "prompt_embedding_table": np.zeros((1, 4, 8), np.float16),
     "prompt_vocab_size": t(4, np.int32), "prompt_table_extra_id": t(1, np.uint64),
     "embedding_bias_words": t(["x"]), "embedding_bias_weights": np.array([1.0], np.float32),
-    "num_draft_tokens": t(2, np.int32), "use_draft_logits": t(True), "lora_task_id": t(1, np.uint64),
+    "num_draft_tokens": t(2, np.int32), "use_draft_logits": t(True),
     "lora_weights": np.zeros((1, 8), np.float16), "lora_config": np.zeros((1, 3), np.int32),
 }
 
@@ -319,8 +323,8 @@ def beam_search(llm, width, eos=False, **kw):
 
 
 def test_every_documented_input_has_a_check():
-    checked = set(VLLM_KEYS) | set(VLLM_TENSORS) | set(TRTLLM_TENSORS)
-    assert STRUCTURED <= checked
+    checked = set(VLLM_KEYS) | set(VLLM_BACKEND_KEYS) | set(VLLM_TENSORS) | set(TRTLLM_TENSORS)
+    assert STRUCTURED <= checked and LORA <= checked
     assert set(EQUIVALENT) | set(UNKNOWN_TRTLLM) <= checked
 
 
@@ -340,19 +344,50 @@ def check_structured(llm, name: str) -> None:
     assert re.fullmatch(regex, out.text) and out.finish_reason == "stop", out
 
 
-@pytest.mark.parametrize("key", VLLM_KEYS)
-def test_sampling_parameters_key(llm, key):
+@pytest.fixture(scope="module")
+def lora_llm(llama_dir, tmp_path_factory):
+    from pagedllm.tiny_model import make_lora_adapter
+
+    path = make_lora_adapter(llama_dir, str(tmp_path_factory.mktemp("adapter")), rank=8, seed=3)
+    return LLM(llama_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 24, enable_lora=True,
+               lora_modules={"coder": path})
+
+
+def check_lora(lora_llm, name: str) -> None:
+    """The adapter named by lora_name (sampling_parameters) or lora_task_id (its id, 1) changes the tokens the
+    same way; an unknown one is refused, naming the field; an engine without LoRA refuses both."""
+    base = serve(lora_llm, sp()).tokens
+    via_name = serve(lora_llm, sp(lora_name="coder")).tokens
+    assert via_name != base
+    if name == "lora_name":
+        refused(lora_llm, sp(lora_name="other"), "lora_name")
+    else:
+        assert serve(lora_llm, tensors({name: t(1, np.uint64)})).tokens == via_name
+        refused(lora_llm, tensors({name: t(2, np.uint64)}), name)
+        refused(lora_llm, tensors({name: t(1, np.uint64)}, lora_name="coder"), name)
+
+
+@pytest.mark.parametrize("key", VLLM_KEYS + VLLM_BACKEND_KEYS)
+def test_sampling_parameters_key(llm, lora_llm, key):
+    if key in LORA:
+        check_lora(lora_llm, key)
+        refused(llm, sp(lora_name="coder"), key)
+        return
     (check_structured if key in STRUCTURED else check_key)(llm, key)
 
 
 @pytest.mark.parametrize("name", sorted(set(VLLM_TENSORS) | set(TRTLLM_TENSORS)))
-def test_input_tensor(llm, name):
+def test_input_tensor(llm, lora_llm, name):
+    if name in LORA:
+        check_lora(lora_llm, name)
+        refused(llm, tensors({name: t(1, np.uint64)}), name)
+        return
     (check_structured if name in STRUCTURED else check_tensor)(llm, name)
 
 
 def test_refusals_are_invalid_requests():
     """The parser's refusals are InvalidRequest (INVALID_ARG through Triton), naming the input."""
     for inputs, name in ((sp(n=0), "n"), (tensors({"beam_width": t(0, np.int32)}), "beam_width"),
-                         (tensors({"lora_task_id": t(1, np.uint64)}), "lora_task_id")):
+                         (tensors({"lora_weights": np.zeros((1, 8), np.float16)}), "lora_weights")):
         with pytest.raises(InvalidRequest, match=name):
             parse_request(inputs)

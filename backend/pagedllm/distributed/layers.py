@@ -52,8 +52,12 @@ class RowParallelLinear(nn.Module):
     def load_weight(self, param: nn.Parameter, shard, ckpt) -> None:
         param.data.copy_(ckpt[:, self.in_start:self.in_start + param.shape[1]])
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product (a LoRA delta joins it before the all-reduce: models/lora/layers.py)."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(self.local(x))
 
 
 class VocabRange:

@@ -37,10 +37,12 @@ from pagedllm.engine.spec_decode.stats import SpecDecodeStats
 from pagedllm.engine.spec_decode.verifier import verify
 from pagedllm.engine.structured_output.request_grammar import GrammarMasks, RequestGrammar
 from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.models.layers.fused import load_fused_ops, load_token_mask
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,7 +54,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template)
+        self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template, config.lora)
+        self.input_processor.loras.check_declared()  # a broken declared adapter fails the start, naming it
         self.executor = make_executor(config, info)
         try:
             num_blocks = self._init_cache()
@@ -92,7 +95,9 @@ class LLMEngine:
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < info.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sc, self.kv, info.max_model_len)
+        lora = self.config.lora
+        self.scheduler = Scheduler(sc, self.kv, info.max_model_len, lora.max_loras if lora.enable_lora else 0)
+        self.lora_slots = LoRASlots(lora.max_loras) if lora.enable_lora else None
         attn = model.model.layers[0].self_attn  # the backends are raced on the first layer's shapes
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype,
                            attn.sliding_window, info.device)
@@ -102,15 +107,17 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: PromptType | ProcessedRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, timeout: float | None = None) -> str:
-        """Queue a request: a ProcessedRequest as it is (already validated), or a prompt with its parameters,
-        processed here. Raises ValueError (bad input) or QueueFullError; nothing else changes then."""
+                    request_id: str | None = None, priority: int = 0, timeout: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request: a ProcessedRequest as it is (already validated), or a prompt with its parameters
+        (and adapter), processed here. Raises ValueError (bad input) or QueueFullError; nothing else changes
+        then."""
         if not self.executor.healthy:
             raise RuntimeError(f"engine is not healthy: {self.executor.error}")
         if isinstance(prompt, ProcessedRequest):
             processed = prompt
         else:
-            processed = self.input_processor.process(prompt, params, priority, timeout)
+            processed = self.input_processor.process(prompt, params, priority, timeout, lora_request)
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.scheduler.requests or request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -126,7 +133,8 @@ class LLMEngine:
             req = Request(rid, ids, sp, self.model_info.eos_token_ids, self.config.cache.block_size,
                           prompt=processed.prompt, priority=processed.priority, arrival_time=now,
                           deadline=None if processed.timeout is None else now + processed.timeout,
-                          max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room))
+                          max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room),
+                          lora=processed.lora)
             if processed.grammar is not None:
                 req.grammar = RequestGrammar(processed.grammar)
             req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]
@@ -181,7 +189,8 @@ class LLMEngine:
             self.observations.add(ITERATION_TOKENS, sched.num_tokens)
         self.prompt_tokens += sum(min(s.num_tokens, max(0, s.request.num_prompt_tokens -
                                                         s.request.num_computed_tokens)) for s in sched.scheduled)
-        step, sampling_rows, prompt_logits = prepare_step(sched, self.kv, self.config.cache.block_size)
+        step, sampling_rows, prompt_logits = prepare_step(sched, self.kv, self.config.cache.block_size,
+                                                          self.lora_slots)
         if self.faults is not None:
             self.faults.check("forward", [s.request for s in sched.scheduled])
         logits = self.executor.execute_step(step)
@@ -353,7 +362,9 @@ class LLMEngine:
             requests_finished=dict(self.requests_finished), attention_backend=self.backend.name,
             attention_selection={"chosen": selection.chosen, "reason": selection.reason,
                                  "results": selection.results},
-            kernels={"fused_cpu_ops": self.config.fused_cpu_ops, "amx_linear": self.config.amx_linear})
+            kernels={"fused_cpu_ops": self.config.fused_cpu_ops, "amx_linear": self.config.amx_linear},
+            lora_max=self.lora_slots.max_loras if self.lora_slots else 0,
+            lora_loads=self.lora_slots.num_loads if self.lora_slots else 0)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()

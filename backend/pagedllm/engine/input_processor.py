@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.config import RequestLimits
+from pagedllm.config import LoRAConfig, RequestLimits
 from pagedllm.engine.chat_template import ChatTemplate
 from pagedllm.engine.logits_controls import tokenize_bad_words
+from pagedllm.engine.lora_registry import LoRARegistry
 from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.structured_output.compiler import GrammarCompiler
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list[int]
@@ -29,12 +31,14 @@ class ProcessedRequest:
     timeout: float | None = None  # seconds from arrival
     grammar: object | None = None  # the compiled grammar of params.structured_outputs
     bad_words_token_ids: tuple = ()  # params.bad_words tokenized (engine.logits_controls)
+    lora: LoRARequest | None = None  # the adapter it runs with (checked against the model)
 
 
 class InputProcessor:
     def __init__(self, tokenizer, info: ModelInfo, limits: RequestLimits | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, lora: LoRAConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.loras = LoRARegistry(lora or LoRAConfig(), info.hf_config)
         self.chat = ChatTemplate(tokenizer, chat_template)
         self._grammar_compiler: GrammarCompiler | None = None  # made on the first constrained request
         self.info = info
@@ -43,8 +47,9 @@ class InputProcessor:
         self.max_prompt_tokens = min(default, self.limits.max_prompt_tokens or default)
 
     def process(self, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0,
-                timeout: float | None = None) -> ProcessedRequest:
-        """Raises ValueError naming the first problem."""
+                timeout: float | None = None, lora=None) -> ProcessedRequest:
+        """`lora`: a LoRARequest, or a declared adapter's name or id (LoRARegistry.resolve). Raises ValueError
+        naming the first problem."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
@@ -58,8 +63,9 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (the text stays as given)
             ids = ids[-params.truncate_prompt_tokens:]
         self.check_prompt(ids)
+        lora = self.loras.resolve(lora)
         return ProcessedRequest(text, ids, params, priority, timeout, self.compile_grammar(params),
-                                tuple(tokenize_bad_words(self.tokenizer, params.bad_words)))
+                                tuple(tokenize_bad_words(self.tokenizer, params.bad_words)), lora)
 
     def compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""
@@ -71,14 +77,14 @@ class InputProcessor:
 
     def process_chat(self, messages, params: SamplingParams | None = None, priority: int = 0,
                      timeout: float | None = None, chat_template: str | None = None,
-                     add_generation_prompt: bool = True) -> ProcessedRequest:
+                     add_generation_prompt: bool = True, lora=None) -> ProcessedRequest:
         """A conversation rendered with the chat template, then processed as its prompt. The rendered text
         carries the template's special tokens (BOS included, where the template writes one), so the tokenizer
         adds none of its own, as vLLM does for chat."""
         text = self.chat.render(messages, add_generation_prompt, chat_template)
         self.check_prompt_size(text)
         return self.process({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)},
-                            params, priority, timeout)
+                            params, priority, timeout, lora)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the vocabulary and this server's limits."""

@@ -3,6 +3,7 @@ StepInputs (made on rank 0, see step_inputs.py) and returns the logits of the ro
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
@@ -12,8 +13,9 @@ from pagedllm.engine.step_inputs import StepInputs
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype, backend,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", lora=None) -> None:
         self.model = model
+        self.lora = lora  # the model's LoRAModel (models/lora/layers.py), or None
         self.block_size = block_size
         self.backend = backend
         self.device = device
@@ -28,6 +30,8 @@ class ModelRunner:
         dev = self.device
         if step.block_copies:
             self.copy_blocks(step.block_copies)
+        if self.lora is not None:
+            self.set_lora(step)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
             block_tables=torch.from_numpy(step.block_table).to(dev),
@@ -46,6 +50,16 @@ class ModelRunner:
             return torch.empty(0)
         # Every rank computes the logits: with a vocabulary-parallel LM head that is a collective.
         return self.model.compute_logits(hidden[torch.tensor(step.logits_indices, device=dev)])
+
+    def set_lora(self, step: StepInputs) -> None:
+        """Load the adapters this step brings into their slots, then give each token and logit row its slot."""
+        for slot, lora_id, path in step.lora_loads:
+            self.lora.activate(slot, lora_id, path)
+        if step.row_lora_slots is None:
+            self.lora.set_step(None, None, self.device)
+            return
+        tokens = np.repeat(np.asarray(step.row_lora_slots, dtype=np.int64), np.diff(step.query_start_loc))
+        self.lora.set_step(tokens, tokens[step.logits_indices], self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (K and V, every layer) src -> dst. All sources are read before any destination is

@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagedllm.engine.block_hash import BlockHash, hash_block_tokens
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -71,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         deadline: float | None = None,
         max_tokens: int | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -102,6 +104,7 @@ class Request:
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request, and accepted
         self.num_accepted_draft_tokens = 0
 
+        self.lora = lora  # the adapter it runs with: its id keys every block hash (adapters never share KV)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -170,10 +173,11 @@ class Request:
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block, chained to its parent's hash."""
         bs = self.block_size
+        extra = (("lora", self.lora.lora_int_id),) if self.lora is not None else ()
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs:(i + 1) * bs]))
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     # --- lifecycle --------------------------------------------------------------------------
     def set_status(self, new: RequestStatus) -> None:

@@ -51,8 +51,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct adapters among running requests, at most (0: LoRA off)
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.scheduling_policy)
@@ -106,8 +108,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         """The EngineStats fields the scheduler owns."""
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "num_preemptions": self.num_preemptions}
+        stats = {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                 "num_preemptions": self.num_preemptions}
+        if self.max_loras:  # adapters by name, as vLLM's lora_requests_info labels them
+            stats["lora_running"] = sorted({r.lora.lora_name for r in self.running if r.lora is not None})
+            stats["lora_waiting"] = sorted({r.lora.lora_name for r in self.waiting if r.lora is not None})
+        return stats
 
     # --- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -145,8 +151,13 @@ class Scheduler:
         #    Under the priority policy a waiting request that does not fit preempts running requests of
         #    lower priority, lowest first.
         admitting = not out.preempted
+        loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
+        no_slot: list[Request] = []  # passed over: their adapter has no slot while the running ones hold them
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
+            if req.lora is not None and req.lora.lora_int_id not in loras and len(loras) >= self.max_loras:
+                no_slot.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -161,12 +172,18 @@ class Scheduler:
                 self._admit(req, num_hit_tokens, now)
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
+                if req.lora is not None:
+                    loras.add(req.lora.lora_int_id)
                 continue
             victim = self._outranked_by(req) or self._idle()
             if victim is None:
                 break
             self._preempt(victim, out)
             budget = self.config.max_num_batched_tokens - out.num_tokens
+            if victim.lora is not None and not any(r.lora == victim.lora for r in self.running):
+                loras.discard(victim.lora.lora_int_id)
+        for req in reversed(no_slot):  # back in their places, ahead of everything that arrived after them
+            self.waiting.add_front(req)
         return out
 
     def _admit(self, req: Request, num_hit_tokens: int, now: float) -> None:

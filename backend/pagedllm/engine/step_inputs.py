@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -30,6 +31,10 @@ class StepInputs:
     logits_indices: list[int]  # token positions whose logits are returned, in order
     # Copy-on-write of forked sequences' shared blocks, (src, dst) block ids: applied before the forward pass
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA: each row's adapter slot (-1: the base model) in layout order, None when no row has one; and the
+    # adapters to load first, (slot, adapter id, path)
+    row_lora_slots: list[int] | None = None
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +43,7 @@ class StepRow:
     start: int  # position of the first
     block_ids: list[int]  # the sequence's blocks, covering start + len(token_ids) tokens
     num_logits: int  # logit rows wanted, for the row's last tokens: 0, 1 (it samples), or 1 + k drafts
+    lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
 
 
 def build_step_inputs(rows: list[StepRow], block_size: int) -> tuple[StepInputs, list[int]]:
@@ -76,6 +82,8 @@ def build_step_inputs(rows: list[StepRow], block_size: int) -> tuple[StepInputs,
         table[i, :len(t)] = t
     step = StepInputs(np.concatenate(input_ids), np.concatenate(positions), np.concatenate(slots), table,
                       seq_lens, starts, len(decode_ids), picks)
+    if any(row.lora_slot >= 0 for row in rows):
+        step.row_lora_slots = [rows[i].lora_slot for i in order]
     return step, order
 
 
@@ -87,13 +95,15 @@ class PromptLogits:
     keep: list[int]  # the logit rows that sample (or verify), in order: the rest are prompt rows
 
 
-def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
-                 block_size: int) -> tuple[StepInputs, list[ScheduledRequest], PromptLogits | None]:
+def prepare_step(out: SchedulerOutput, kv: KVCacheManager, block_size: int,
+                 lora_slots: LoRASlots | None = None) -> tuple[StepInputs, list[ScheduledRequest], PromptLogits | None]:
     """The step's inputs for the scheduled requests, the entries the sampling logits belong to, in order (one
     logit row per entry that samples, or 1 + k rows for an entry carrying k draft tokens: the positions that
     verify them), and, when some entry wants prompt logprobs, where its prompt positions' logit rows are (they
-    come first in its rows: every position of its chunk returns logits)."""
+    come first in its rows: every position of its chunk returns logits). With `lora_slots`, the step's adapters
+    are placed in slots first."""
     rows, prompt_counts = [], []
+    loads = lora_slots.place([s.request.lora for s in out.scheduled]) if lora_slots is not None else []
     for s in out.scheduled:
         req = s.request
         begin = req.num_computed_tokens
@@ -103,9 +113,11 @@ def prepare_step(out: SchedulerOutput, kv: KVCacheManager,
         prompt = max(0, min(begin + len(known), req.num_prompt_tokens - 1) - begin) if req.needs_prompt_logits else 0
         prompt_counts.append(prompt)
         rows.append(StepRow(known + s.spec_tokens if s.spec_tokens else known, begin,
-                            kv.block_ids(req.request_id), prompt + sampling))
+                            kv.block_ids(req.request_id), prompt + sampling,
+                            lora_slots.slot(req.lora) if lora_slots is not None else -1))
     step, order = build_step_inputs(rows, block_size)
     step.block_copies = kv.take_block_copies()
+    step.lora_loads = loads
     sampling_rows = [out.scheduled[i] for i in order if rows[i].num_logits > prompt_counts[i]]
     if not any(prompt_counts):
         return step, sampling_rows, None

@@ -34,7 +34,10 @@ from pagedllm.openai.sampling import CHAT_PARAMS, COMPLETION_PARAMS, chat_sampli
 from pagedllm.openai.triton_bridge import Delta, TritonBridge
 
 
-def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name: str | None = None) -> FastAPI:
+def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name: str | None = None,
+               lora_separator: str | None = "_lora_") -> FastAPI:
+    """`lora_separator`: a request for model `<served><separator><adapter>` runs that LoRA adapter (Triton's
+    OpenAI front end's form); None: adapters are not reachable by model name."""
     served = served_model_name or model_name
     created = int(time.time())
 
@@ -47,10 +50,18 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
     app = FastAPI(title="pagedllm OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
 
-    def check_model(name: str) -> None:
-        if name != served:
-            raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{served}`).",
-                              "model", "model_not_found")
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter `name` asks for (None: the base model); 404 for another model."""
+        if name == served:
+            return None
+        prefix = served + (lora_separator or "\0")
+        if lora_separator and name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+        raise OpenAIError(404, f"The model `{name}` does not exist (this server serves `{served}`).",
+                          "model", "model_not_found")
+
+    def with_adapter(sampling: dict, adapter: str | None) -> dict:
+        return sampling if adapter is None else {**sampling, "lora_name": adapter}
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": created, "owned_by": "pagedllm"}
@@ -73,10 +84,11 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
-        check_model(body.model)
-        out = CompletionResponse(served, body.logprobs, _include_usage(body), n=body.n or 1)
+        adapter = check_model(body.model)
+        out = CompletionResponse(body.model, body.logprobs, _include_usage(body), n=body.n or 1)
         ranked = (body.best_of or 1) > (body.n or 1)  # the best samples are known at the end only
-        deltas = request.app.state.bridge.generate(out.id, completion_sampling(body), COMPLETION_PARAMS,
+        deltas = request.app.state.bridge.generate(out.id, with_adapter(completion_sampling(body), adapter),
+                                                   COMPLETION_PARAMS,
                                                    prompt=body.prompt[0], logprobs=body.logprobs is not None,
                                                    deltas=bool(body.stream) or not ranked)
         return await _respond(request, out, deltas, bool(body.stream))
@@ -84,10 +96,10 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse(ChatCompletionRequest, await request.body())
-        check_model(body.model)
-        out = ChatResponse(served, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body),
+        adapter = check_model(body.model)
+        out = ChatResponse(body.model, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body),
                            n=body.n or 1)
-        deltas = request.app.state.bridge.generate(out.id, chat_sampling(body), CHAT_PARAMS,
+        deltas = request.app.state.bridge.generate(out.id, with_adapter(chat_sampling(body), adapter), CHAT_PARAMS,
                                                    messages=body.messages, logprobs=bool(body.logprobs))
         return await _respond(request, out, deltas, bool(body.stream))
 

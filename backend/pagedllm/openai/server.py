@@ -19,6 +19,8 @@ def add_openai_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="pagedllm", help="the Triton model to forward requests to")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: --model-name)")
+    p.add_argument("--lora-separator", default="_lora_",
+                   help="model <served name><separator><adapter> runs that LoRA adapter ('': adapters not by name)")
     p.add_argument("--drain-timeout", type=int, default=30, metavar="S",
                    help="on SIGTERM/SIGINT, how long open requests may take to finish")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -29,7 +31,7 @@ def run(args) -> int:
 
     from pagedllm.openai.app import create_app
 
-    app = create_app(args.triton_url, args.model_name, args.served_model_name)
+    app = create_app(args.triton_url, args.model_name, args.served_model_name, args.lora_separator or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_timeout)
     return 0

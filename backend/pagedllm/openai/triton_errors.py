@@ -43,6 +43,8 @@ def from_stream_message(message: str, params: dict[str, str]) -> OpenAIError:
         return OpenAIError(503, text)
     if lowered.startswith(_INTERNAL):
         return OpenAIError(500, text)
+    if lowered.startswith("lora_name:"):  # the adapter named by `model` is not served: no such model
+        return OpenAIError(404, "model" + text[len("lora_name"):], "model", "model_not_found")
     param, text = _field(text, params)
     return OpenAIError(400, text, param)
 

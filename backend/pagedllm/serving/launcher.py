@@ -78,8 +78,10 @@ def prepare_backends(dest: Path, install: TritonInstall | None = None) -> Path:
 
 
 def prepare_model_repository(dest: Path, model_dir: str, engine_overrides: dict | None = None,
-                             model_name: str = "pagedllm", config_overrides: str = "") -> Path:
-    """Copy the model template to dest/<model_name>, pointing engine.json at model_dir."""
+                             model_name: str = "pagedllm", config_overrides: str = "",
+                             version_files: dict[str, str] | None = None) -> Path:
+    """Copy the model template to dest/<model_name>, pointing engine.json at model_dir; `version_files`: more
+    files for the version directory beside engine.json ({name: text}, e.g. multi_lora.json)."""
     target = dest / model_name
     if target.exists():
         shutil.rmtree(target)
@@ -93,6 +95,8 @@ def prepare_model_repository(dest: Path, model_dir: str, engine_overrides: dict 
     engine["model"] = str(Path(model_dir).resolve())
     engine.update(engine_overrides or {})
     engine_path.write_text(json.dumps(engine, indent=2))
+    for name, text in (version_files or {}).items():
+        (target / "1" / name).write_text(text)
     config = (target / "config.pbtxt").read_text().replace('name: "pagedllm"', f'name: "{model_name}"')
     (target / "config.pbtxt").write_text(config + config_overrides)
     return dest
@@ -186,12 +190,12 @@ class Launched:
 
 def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, extra_args: list[str] = (),
                          config_overrides: str = "", exit_timeout_s: int = 10,
-                         explicit_model_control: bool = True) -> Launched:
+                         explicit_model_control: bool = True, version_files: dict[str, str] | None = None) -> Launched:
     """Lay out workdir, start a server on free loopback ports, wait until the model is ready (tests, perf).
     A short exit timeout keeps a client connection left open from holding shutdown for Triton's 30 s."""
     restart = {"engine_restart": "reload" if explicit_model_control else "in_process"}
     repo = prepare_model_repository(workdir / "repo", model_dir, {**restart, **engine_overrides},
-                                    config_overrides=config_overrides)
+                                    config_overrides=config_overrides, version_files=version_files)
     backends = prepare_backends(workdir / "backends")
     ports = [free_port() for _ in range(3)]
     log = workdir / "tritonserver.log"
@@ -241,6 +245,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="port of the OpenAI-compatible front end (on --host; 0: no front end)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="override an engine.json entry, e.g. --engine-arg dtype='\"bfloat16\"'")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="serve these PEFT LoRA adapters (enables LoRA; requests name them by lora_name, "
+                        "lora_task_id 1, 2, ... in this order, or OpenAI model <model>_lora_<name>)")
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -254,11 +261,21 @@ def _parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def _lora_module(item: str) -> str:
+    """NAME=PATH with the path made absolute (tritonserver runs from /)."""
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules: expected NAME=PATH, got {item!r}")
+    return f"{name}={os.path.abspath(path)}"
+
+
 def serve(args) -> int:
     model = args.model or str(default_model())
     work = Path(args.workdir).resolve()  # tritonserver runs from / (see the module's docstring)
     # Under explicit model control a model whose engine died can unload itself (NOT READY) and load again.
     overrides = {"engine_restart": "reload", **_parse_overrides(args.engine_arg)}
+    if args.lora_modules:
+        overrides.update(enable_lora=True, lora_modules=[_lora_module(m) for m in args.lora_modules])
     repo = prepare_model_repository(work / "model_repository", model, overrides)
     backends = prepare_backends(work / "backends")
     proc = start_server(repo, backends, args.http_port, args.grpc_port, args.metrics_port, host=args.host,

@@ -1,7 +1,10 @@
 """Engine metrics on Triton's metrics port, named like vLLM's with a `pagedllm:` prefix.
 
 A thread of its own publishes every 100 ms: gauges and counters from the engine's stats snapshot, histogram
-observations drained from the engine's queue. The engine loop never waits on a metric call. The engine may be
+observations drained from the engine's queue. With LoRA, `pagedllm:lora_requests_info` is vLLM's info gauge:
+labels max_lora, running_lora_adapters and waiting_lora_adapters (adapter names, comma-separated), value the
+time the labels were last current: as in vLLM, earlier combinations stay with their last time, and the
+current one is the series with the largest value. The engine loop never waits on a metric call. The engine may be
 replaced (a restart after a failure) or absent meanwhile: counters carry on from where the previous engine
 left them, and while there is none the gauges read empty.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pagedllm.engine import observations as obs
@@ -92,6 +96,10 @@ class MetricsPublisher:
         self._families.append(per_pos)
         self._labels = labels
         self.per_position_family, self.per_position = per_pos, []
+        self.lora_family = family(name="pagedllm:lora_requests_info", kind=family.GAUGE,
+                                  description="Running and waiting LoRA adapters (labels); value: last update time")
+        self._families.append(self.lora_family)
+        self.lora_info: dict[tuple, object] = {}  # label values -> its series
         self.published: dict[str, int] = {}
         self._lock = ipc_lock if ipc_lock is not None else threading.Lock()
         self._stop = threading.Event()
@@ -152,7 +160,16 @@ class MetricsPublisher:
             metric = (self.success[name] if kind == "success" else self.per_position[int(name)]
                       if kind == "accepted_pos" else self.counters[key])
             self._advance(key, metric, value)
+        if s.lora_max:
+            self._publish_lora(s)
         self._observe()
+
+    def _publish_lora(self, s) -> None:
+        key = (str(s.lora_max), ",".join(s.lora_running), ",".join(s.lora_waiting))
+        if key not in self.lora_info:
+            labels = dict(zip(("max_lora", "running_lora_adapters", "waiting_lora_adapters"), key))
+            self.lora_info[key] = self.lora_family.Metric(labels={**self._labels, **labels})
+        self.lora_info[key].set(time.time())
 
     def _observe(self) -> None:
         for name, value in self.observations.drain():
@@ -180,5 +197,6 @@ class MetricsPublisher:
         with self._lock:
             self.gauges = self.counters = self.success = self.histograms = {}
             self.per_position, self.per_position_family = [], None
+            self.lora_info, self.lora_family = {}, None
             self._families.clear()
             gc.collect()

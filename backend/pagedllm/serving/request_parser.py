@@ -11,6 +11,9 @@ Accepts both anchors' tensor contracts so existing tools work unchanged:
   early_stopping (beam search), num_return_sequences (samples, or the best beams returned),
   guided_decoding_guide_type + guided_decoding_guide (structured output; `structured_outputs` /
   `guided_decoding` in sampling_parameters is vllm_backend's way: serving/structured_inputs.py);
+  lora_task_id names a declared adapter by its id (vllm_backend's way: `lora_name` in sampling_parameters);
+  lora_weights / lora_config (an adapter's weights sent with a request) are refused: adapters are declared
+  where the server starts (engine.json's lora_modules, or multi_lora.json);
   pad_id is checked against the vocabulary and otherwise has nothing to do: TensorRT-LLM pads output_ids of
   a batch to one length, but every response here carries one request's own tokens (text), never padded;
 - ours: priority, timeout (seconds).
@@ -48,6 +51,7 @@ class ParsedRequest:
     returns: set[str] = field(default_factory=set)  # which optional outputs to send
     pad_id: int | None = None  # TensorRT-LLM's; checked against the vocabulary (outputs are never padded)
     messages: list | None = None  # a chat request's conversation (checked in full by the chat template)
+    lora: str | int | None = None  # the adapter: its name (lora_name) or id (lora_task_id)
 
 
 # sampling_parameters JSON keys -> (SamplingParams field, type)
@@ -85,7 +89,7 @@ _TENSOR_DEFAULT_ONLY = {"return_context_logits": (bool, False, "logits are not r
                         "return_generation_logits": (bool, False, "logits are not returned")}
 KNOWN_INPUTS = ({"text_input", "messages", "stream", "guided_decoding_guide_type", "guided_decoding_guide", "sampling_parameters", "exclude_input_in_output", "priority", "timeout",
                  "stop_words", "bad_words", "end_id", "pad_id", "ignore_eos", "early_stopping",
-                 "num_return_sequences"}
+                 "num_return_sequences", "lora_task_id", "lora_weights", "lora_config"}
                 | set(_TENSOR_PARAMS) | set(_RETURN_FLAGS) | set(_TENSOR_DEFAULT_ONLY))
 
 
@@ -112,6 +116,16 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         kwargs.update(_parse_sampling_dict(parameters, "request parameters"))
     if "sampling_parameters" in inputs:
         kwargs.update(_parse_sampling_json(_text(inputs["sampling_parameters"], "sampling_parameters"), limits))
+    lora = kwargs.pop("lora_name", None)
+    for name in ("lora_weights", "lora_config"):
+        if name in inputs:
+            raise InvalidRequest(f"{name}: adapters are not sent with requests here; declare the adapter in "
+                                 "engine.json's lora_modules or in multi_lora.json and name it by lora_task_id "
+                                 "or lora_name")
+    if "lora_task_id" in inputs:
+        if lora is not None:
+            raise InvalidRequest("lora_task_id: give either lora_task_id or lora_name, not both")
+        lora = _scalar(inputs["lora_task_id"], "lora_task_id", int)
     for name, target in _TENSOR_PARAMS.items():
         if name in inputs:
             kwargs[target] = _scalar(inputs[name], name, float if target in _FLOAT_FIELDS else int)
@@ -166,6 +180,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         returns=returns,
         pad_id=_scalar(inputs["pad_id"], "pad_id", int) if "pad_id" in inputs else None,
         messages=messages,
+        lora=lora,
     )
 
 
@@ -235,6 +250,11 @@ def _parse_sampling_dict(obj: dict, where: str) -> dict:
                 if not isinstance(value, dict):
                     raise InvalidRequest(f"{name}: expected an object mapping token ids to biases")
                 out[key] = {_coerce(k, int, name): _coerce(v, float, name) for k, v in value.items()}
+        elif key == "lora_name":
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise InvalidRequest(f"{name}: expected an adapter's name, got {_show(value)}")
+                out[key] = value
         elif key in _JSON_PARAMS:
             out[key] = None if value is None and key in _NULLABLE else _coerce(value, _JSON_PARAMS[key], name)
         elif key in _JSON_LIST_PARAMS:

@@ -39,6 +39,7 @@ from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
+from pagedllm.serving.multi_lora import with_multi_lora
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
 from pagedllm.serving.response_builder import ResponseBuilder, coalesce
 from pagedllm.serving.response_channel import ResponseChannel
@@ -87,7 +88,7 @@ class TritonPythonModel:
         # thread detokenizes with the engine's. The two are never shared across threads.
         cfg = self.engine_config
         tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
-        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits, cfg.chat_template)
+        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits, cfg.chat_template, cfg.lora)
         if self._param("enable_metrics", "true").lower() == "true" and self.serving.enable_metrics:
             labels = {"model": self.model_name, "version": str(args["model_version"])}
             self.metrics = MetricsPublisher(pb_utils, lambda: self.loop.engine, labels, lambda: {
@@ -119,7 +120,7 @@ class TritonPythonModel:
             value = args.get(key)
             if value and not os.path.isabs(value) and not (key == "chat_template" and "{" in value):
                 args[key] = os.path.normpath(os.path.join(version_dir, value))
-        return args
+        return with_multi_lora(args, version_dir)
 
     # --- Triton's thread ---------------------------------------------------------------------
     def execute(self, requests):
@@ -141,9 +142,11 @@ class TritonPythonModel:
             if parsed.pad_id is not None:
                 self.inputs.check_token_ids("pad_id", [parsed.pad_id])
             if parsed.messages is not None:
-                processed = self.inputs.process_chat(parsed.messages, parsed.params, parsed.priority, parsed.timeout)
+                processed = self.inputs.process_chat(parsed.messages, parsed.params, parsed.priority, parsed.timeout,
+                                                     lora=parsed.lora)
             else:
-                processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout)
+                processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout,
+                                                parsed.lora)
         except (InvalidRequest, ValueError) as e:
             self._reject(channel, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
             return

@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
   m.def("amx_unpack_weight", &amx_unpack_weight, "the plain [N, K] weight back from amx_linear's packing");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
+  m.def("lora_delta_", &lora_delta_, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
 }

@@ -19,6 +19,10 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor argmax(torch::Tensor x);
 // token_mask.cpp
 void mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+// lora.cpp
+void lora_delta_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor tokens,
+                 torch::Tensor group_start, torch::Tensor group_slot, torch::Tensor slot_rank,
+                 torch::Tensor slice_offsets, int64_t max_rank);
 // amx_linear.cpp
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
 void amx_unpack_weight(torch::Tensor packed, torch::Tensor out);

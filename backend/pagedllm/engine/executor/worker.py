@@ -2,8 +2,8 @@
 engine has sized the KV cache, the runner that executes steps on it.
 
 The worker composes the model's transforms, in order: build (models.loader) -> shard (distributed, with tensor
-parallelism) -> load the weights -> pack bf16 CPU linears -> hand the fused CPU ops to the layers. The model
-definitions know none of these steps.
+parallelism) -> load the weights -> LoRA slots around the target modules (with enable_lora) -> pack bf16 CPU
+linears -> hand the fused CPU ops to the layers. The model definitions know none of these steps.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pagedllm.distributed.comm import TensorParallelGroup
 from pagedllm.distributed.tensor_parallel import shard_model
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
-from pagedllm.models.layers.fused import load_fused_ops, use_fused_ops
+from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
 from pagedllm.models.layers.packed_linear import pack_linears
 from pagedllm.models.loader import build_model, load_weights
+from pagedllm.models.lora.layers import LoRAModel
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,21 @@ class WorkerSpec:
     block_size: int
     fused_cpu_ops: bool
     amx_linear: bool
+    max_loras: int = 0  # LoRA slots (0: LoRA off)
+    max_lora_rank: int = 0
+    max_cpu_loras: int | None = None
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
-    """The model (or, with a group of several ranks, this rank's shard of it), loaded and ready to run."""
+    """The model (or, with a group of several ranks, this rank's shard of it), loaded and ready to run; with
+    LoRA slots, `model.lora` is its LoRAModel (None otherwise)."""
     model = build_model(hf_config, device)
     if group is not None and group.world_size > 1:
         with torch.device(device):
             shard_model(model, group)
     load_weights(model, spec.model, spec.dtype)
+    model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank, spec.max_cpu_loras,
+                           load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
     use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)
     return model
@@ -53,7 +60,7 @@ class Worker:
 
     def init_cache(self, num_blocks: int, backend) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size, self.spec.dtype, backend,
-                                  self.device)
+                                  self.device, self.model.lora)
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         return self.runner.execute_step(step)

@@ -29,6 +29,11 @@ def load_token_mask() -> ModuleType | None:
     return _load_cpu_kernels("token_mask")
 
 
+def load_lora_kernel() -> ModuleType | None:
+    """The batched LoRA delta kernel's module (bf16 on CPU), or None likewise."""
+    return _load_cpu_kernels("lora")
+
+
 def _load_cpu_kernels(name: str) -> ModuleType | None:
     try:
         from pagedllm_kernels.cpu import build
