@@ -90,7 +90,9 @@ class LoRAConfig:
     enable_lora: bool = False
     max_loras: int = 1  # adapters resident at once (distinct adapters one step can run); others evicted LRU
     max_lora_rank: int = 16  # adapters of a higher rank are refused at load
-    max_cpu_loras: int | None = None  # adapters kept loaded in host memory, LRU (None: every one used)
+    # adapters' weights kept in host memory for later requests, LRU (None: every one used); an adapter that a
+    # queued or running request holds stays in memory regardless
+    max_cpu_loras: int | None = None
     lora_modules: tuple = ()
 
     def __post_init__(self) -> None:
@@ -102,6 +104,9 @@ class LoRAConfig:
                  "max_cpu_loras", f"must be an integer >= max_loras, got {self.max_cpu_loras!r}")
         modules = _lora_modules(self.lora_modules)
         _require(not modules or self.enable_lora, "lora_modules", "declared adapters need enable_lora: true")
+        for name, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None)):
+            _require(self.enable_lora or getattr(self, name) == default, name, "has no effect without enable_lora: "
+                     "true (set it too, or leave this out)")
         object.__setattr__(self, "lora_modules", modules)
 
 

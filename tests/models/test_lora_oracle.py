@@ -135,8 +135,8 @@ def test_rslora_and_per_module_alpha(model_dir, adapters):
 
 
 def test_eviction_and_reload_do_not_change_outputs(model_dir, adapters):
-    """Four adapters in use, one or two slots: adapters are evicted and loaded again (from host memory, or
-    from disk with max_cpu_loras) and every request still gets its adapter's tokens."""
+    """Four adapters in use, one or two slots (and host copies for two): adapters are evicted from their slots
+    and put back, and every request still gets its adapter's tokens."""
     d = model_dir("llama")
     models = [adapters("llama", 8, seed=s) for s in (1, 2, 3, 4)]
     prompts = random_prompts([20, 40, 8, 60, 33, 15, 70, 25], seed=12)
@@ -147,7 +147,7 @@ def test_eviction_and_reload_do_not_change_outputs(model_dir, adapters):
         llm = lora_llm(d, max_loras=max_loras, max_cpu_loras=max_cpu)
         steps = []
         place = llm.engine.lora_slots.place
-        llm.engine.lora_slots.place = lambda ls: steps.append({lo.lora_int_id for lo in ls if lo}) or place(ls)
+        llm.engine.lora_slots.place = lambda rs: steps.append({r.lora.lora_int_id for r in rs if r.lora}) or place(rs)
         for _ in range(2):  # the second pass finds the first adapters evicted: they are loaded again
             assert ours(llm, prompts, max_tokens, loras) == reference
         assert max(len(s) for s in steps) <= max_loras  # never more adapters in a step than slots
@@ -177,6 +177,31 @@ def test_adapters_with_speculation_samples_and_beams(model_dir, adapters):
     beams = llm.beam_search([prompts[2]], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS[2], ignore_eos=True),
                             lora_request=lora)
     assert beams[0].outputs[0].token_ids == expected[2]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_whose_adapter_has_no_slot(model_dir, adapters, policy):
+    """One slot, held by a running low-priority request: a request for another adapter waits in its place (FCFS),
+    or, ranking higher under the priority policy, takes the slot (the holder is preempted and resumes later)."""
+    d = model_dir("llama")
+    a, b = adapters("llama", 8, seed=1), adapters("llama", 8, seed=2)
+    llm = lora_llm(d, max_loras=1, scheduling_policy=policy)
+    engine, ip = llm.engine, llm.engine.input_processor
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request(ip.process({"prompt_token_ids": [0, 5, 9]}, params, priority=5, lora=a), request_id="holder")
+    engine.step()
+    engine.add_request(ip.process({"prompt_token_ids": [0, 7, 8]}, params, priority=0, lora=b), request_id="urgent")
+    engine.step()
+    holder, urgent = engine.scheduler.requests["holder"], engine.scheduler.requests["urgent"]
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == ({"holder"} if policy == "fcfs" else {"urgent"})
+    assert (holder.num_preemptions, urgent.num_computed_tokens > 0) == ((0, False) if policy == "fcfs" else (1, True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["holder"].outputs[0].token_ids == merged_greedy(d, a, [[0, 5, 9]], [30])[0]
+    assert outs["urgent"].outputs[0].token_ids == merged_greedy(d, b, [[0, 7, 8]], [30])[0]
     assert_all_blocks_free(llm)
 
 
@@ -221,6 +246,9 @@ MALFORMED = {
         _first_key(t, "lora_A")].clone()}), "unknown target module 'fc9'"),
     "unknown target": (lambda t, c: c.update(target_modules=["q_proj", "wq"]), r"unknown target module\(s\) \['wq'\]"),
     "dora": (lambda t, c: c.update(use_dora=True), "DoRA"),
+    "scalar lora_A": (lambda t, c: t.update({_first_key(t, "q_proj.lora_A"): torch.tensor(1.0)}), "must be matrices"),
+    "alpha not a number": (lambda t, c: c.update(lora_alpha="16"), "must be numbers"),
+    "alpha pattern not a regex": (lambda t, c: c.update(alpha_pattern={"q_proj(": 4}), "not a regular expression"),
     "lora bias": (lambda t, c: c.update(bias="all"), "LoRA biases"),
     "modules_to_save": (lambda t, c: c.update(modules_to_save=["lm_head", "score"]), r"modules_to_save \[.score.\]"),
 }
@@ -256,6 +284,30 @@ def test_rank_above_the_limit_and_missing_files_are_refused(model_dir, adapters,
         llm.generate([[0, 5]], params, use_tqdm=False, lora_request=LoRARequest("b", 3, str(tmp_path)))
 
 
+def test_adapter_files_removed_later_cost_only_new_requests_for_them(model_dir, adapters, tmp_path):
+    """A checked request carries its adapter's weights: removing the files afterwards changes nothing for it (no
+    step reads them). A new request for the adapter, once the host copy is dropped (max_cpu_loras), is refused
+    alone, naming the problem; the engine carries on."""
+    import shutil
+
+    d = model_dir("llama")
+    src, other = adapters("llama", 8, seed=1), adapters("llama", 8, seed=2)
+    lora = LoRARequest("moving", 60, shutil.copytree(src.lora_path, str(tmp_path / "moving")))
+    llm = lora_llm(d, max_loras=1, max_cpu_loras=1)
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request(engine.input_processor.process({"prompt_token_ids": [0, 5, 9]}, params, lora=lora), request_id="m")
+    shutil.rmtree(lora.lora_path)  # before its first step
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == merged_greedy(d, src, [[0, 5, 9]], [6])[0]
+    llm.generate([[0, 5]], params, use_tqdm=False, lora_request=other)  # drops "moving" from host memory
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate([[0, 5, 9]], params, use_tqdm=False, lora_request=lora)
+    assert llm.generate([[0, 5, 9]], params, use_tqdm=False)[0].outputs[0].token_ids  # the engine carries on
+    assert_all_blocks_free(llm)
+
+
 def test_adapters_need_enable_lora(model_dir, adapters):
     llm = LLM(model_dir("llama"), dtype="float32", kv_cache_memory_bytes=8 << 20)
     with pytest.raises(ValueError, match="enable_lora"):
@@ -269,7 +321,7 @@ def test_declared_adapters_are_checked_at_start(model_dir, adapters, tmp_path):
     good = adapters("llama", 8, seed=1)
     llm = lora_llm(d, lora_modules={"mine": good.lora_path})
     out = llm.engine.add_request({"prompt_token_ids": [0, 5]}, SamplingParams(max_tokens=2),
-                                 lora_request=llm.engine.input_processor.loras.resolve("mine"))
+                                 lora_request=llm.engine.input_processor.loras.resolve("mine")[0])
     assert out is not None
     with pytest.raises(ValueError, match="no adapter_config.json"):
         lora_llm(d, lora_modules={"broken": str(tmp_path)})

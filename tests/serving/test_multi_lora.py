@@ -23,6 +23,8 @@ def test_lora_modules_forms_normalise_to_name_path_id():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lora_modules={"a": "/x"}), "need enable_lora"),
+    (dict(max_loras=4), "max_loras: has no effect without enable_lora"),
+    (dict(max_cpu_loras=8), "max_cpu_loras: has no effect without enable_lora"),
     (dict(enable_lora=True, lora_modules=[{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]), "names repeat"),
     (dict(enable_lora=True, lora_modules=[{"name": "a", "path": "/x", "id": 2}, "b=/y", {"name": "c", "path": "/z",
                                                                                           "id": 3}]), "ids repeat"),

@@ -97,7 +97,9 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         lora = self.config.lora
         self.scheduler = Scheduler(sc, self.kv, info.max_model_len, lora.max_loras if lora.enable_lora else 0)
-        self.lora_slots = LoRASlots(lora.max_loras) if lora.enable_lora else None
+        running = self.scheduler.running
+        self.lora_slots = LoRASlots(lora.max_loras, lambda: {r.lora.lora_int_id for r in running if r.lora}) \
+            if lora.enable_lora else None
         attn = model.model.layers[0].self_attn  # the backends are raced on the first layer's shapes
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype,
                            attn.sliding_window, info.device)
@@ -122,6 +124,8 @@ class LLMEngine:
         if request_id in self.scheduler.requests or request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = processed.params
+        if (processed.lora is None) != (processed.lora_weights is None):
+            raise ValueError("lora_request: a processed request needs its adapter's weights (InputProcessor)")
         if params.num_sequences > self.config.scheduler.max_num_seqs:
             raise ValueError(f"{'beam_width' if params.beam_width > 1 else 'n'}: {params.num_sequences} sequences "
                              f"run at once, more than max_num_seqs={self.config.scheduler.max_num_seqs}")
@@ -135,6 +139,7 @@ class LLMEngine:
                           deadline=None if processed.timeout is None else now + processed.timeout,
                           max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room),
                           lora=processed.lora)
+            req.lora_weights = processed.lora_weights
             if processed.grammar is not None:
                 req.grammar = RequestGrammar(processed.grammar)
             req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]

@@ -31,7 +31,8 @@ class ProcessedRequest:
     timeout: float | None = None  # seconds from arrival
     grammar: object | None = None  # the compiled grammar of params.structured_outputs
     bad_words_token_ids: tuple = ()  # params.bad_words tokenized (engine.logits_controls)
-    lora: LoRARequest | None = None  # the adapter it runs with (checked against the model)
+    lora: LoRARequest | None = None  # the adapter it runs with
+    lora_weights: object | None = None  # its LoRAAdapter (checked against the model): the engine reads no file
 
 
 class InputProcessor:
@@ -63,9 +64,9 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:  # vLLM's: the last k tokens (the text stays as given)
             ids = ids[-params.truncate_prompt_tokens:]
         self.check_prompt(ids)
-        lora = self.loras.resolve(lora)
+        lora, weights = self.loras.resolve(lora)
         return ProcessedRequest(text, ids, params, priority, timeout, self.compile_grammar(params),
-                                tuple(tokenize_bad_words(self.tokenizer, params.bad_words)), lora)
+                                tuple(tokenize_bad_words(self.tokenizer, params.bad_words)), lora, weights)
 
     def compile_grammar(self, params: SamplingParams):
         """The request's compiled grammar (cached per spec), or None; ValueError for an invalid spec."""

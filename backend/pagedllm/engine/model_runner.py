@@ -53,8 +53,8 @@ class ModelRunner:
 
     def set_lora(self, step: StepInputs) -> None:
         """Load the adapters this step brings into their slots, then give each token and logit row its slot."""
-        for slot, lora_id, path in step.lora_loads:
-            self.lora.activate(slot, lora_id, path)
+        for slot, lora_id, adapter in step.lora_loads:
+            self.lora.activate(slot, lora_id, adapter)
         if step.row_lora_slots is None:
             self.lora.set_step(None, None, self.device)
             return

@@ -105,6 +105,7 @@ class Request:
         self.num_accepted_draft_tokens = 0
 
         self.lora = lora  # the adapter it runs with: its id keys every block hash (adapters never share KV)
+        self.lora_weights = None  # its LoRAAdapter, brought by the request (slots are filled from it)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()

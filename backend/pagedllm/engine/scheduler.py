@@ -156,7 +156,14 @@ class Scheduler:
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             if req.lora is not None and req.lora.lora_int_id not in loras and len(loras) >= self.max_loras:
-                no_slot.append(self.waiting.pop())
+                holders = self._adapter_outranked_by(req)
+                if holders is None:
+                    no_slot.append(self.waiting.pop())
+                    continue
+                for victim in holders:  # priority: the slot's lower-ranked requests yield it
+                    self._preempt(victim, out)
+                loras.discard(holders[0].lora.lora_int_id)
+                budget = self.config.max_num_batched_tokens - out.num_tokens
                 continue
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
@@ -207,6 +214,19 @@ class Scheduler:
             return None
         victim = self._pick_victim()
         return victim if (victim.priority, victim.arrival_time) > (req.priority, req.arrival_time) else None
+
+    def _adapter_outranked_by(self, req: Request) -> list[Request] | None:
+        """Priority policy: the running requests of the adapter that yields its slot to `req` (every one of them
+        ranking strictly below it; of such adapters, the one whose best request ranks lowest), or None."""
+        if self.config.scheduling_policy != "priority":
+            return None
+        by_adapter: dict[int, list[Request]] = {}
+        for r in self.running:
+            if r.lora is not None:
+                by_adapter.setdefault(r.lora.lora_int_id, []).append(r)
+        rank = (req.priority, req.arrival_time)
+        outranked = [rs for rs in by_adapter.values() if all((r.priority, r.arrival_time) > rank for r in rs)]
+        return max(outranked, key=lambda rs: min((r.priority, r.arrival_time) for r in rs), default=None)
 
     def _idle(self) -> Request | None:
         """The latest running sequence with nothing to compute: a beam that has reported its candidates and

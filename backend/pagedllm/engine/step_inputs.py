@@ -32,9 +32,9 @@ class StepInputs:
     # Copy-on-write of forked sequences' shared blocks, (src, dst) block ids: applied before the forward pass
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # LoRA: each row's adapter slot (-1: the base model) in layout order, None when no row has one; and the
-    # adapters to load first, (slot, adapter id, path)
+    # adapters to put in their slots first, (slot, adapter id, its LoRAAdapter: the weights travel to every rank)
     row_lora_slots: list[int] | None = None
-    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
+    lora_loads: list[tuple[int, int, object]] = field(default_factory=list)
 
 
 @dataclass
@@ -103,7 +103,7 @@ def prepare_step(out: SchedulerOutput, kv: KVCacheManager, block_size: int,
     come first in its rows: every position of its chunk returns logits). With `lora_slots`, the step's adapters
     are placed in slots first."""
     rows, prompt_counts = [], []
-    loads = lora_slots.place([s.request.lora for s in out.scheduled]) if lora_slots is not None else []
+    loads = lora_slots.place([s.request for s in out.scheduled]) if lora_slots is not None else []
     for s in out.scheduled:
         req = s.request
         begin = req.num_computed_tokens

@@ -78,7 +78,9 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        check_model(model_id)
+        if model_id != served:  # adapters are not listed (the front end does not know which the model serves)
+            raise OpenAIError(404, f"The model `{model_id}` does not exist (this server serves `{served}`).",
+                              "model", "model_not_found")
         return model_card()
 
     @app.post("/v1/completions")

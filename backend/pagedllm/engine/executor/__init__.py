@@ -18,8 +18,7 @@ from pagedllm.engine.model_info import ModelInfo
 def make_executor(config: EngineConfig, info: ModelInfo):
     lora = config.lora
     spec = WorkerSpec(config.model, info.dtype, info.device, config.cache.block_size, config.fused_cpu_ops,
-                      config.amx_linear, lora.max_loras if lora.enable_lora else 0, lora.max_lora_rank,
-                      lora.max_cpu_loras)
+                      config.amx_linear, lora.max_loras if lora.enable_lora else 0, lora.max_lora_rank)
     if config.tensor_parallel_size == 1:
         from pagedllm.engine.executor.local import LocalExecutor
 

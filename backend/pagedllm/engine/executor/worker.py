@@ -34,7 +34,6 @@ class WorkerSpec:
     amx_linear: bool
     max_loras: int = 0  # LoRA slots (0: LoRA off)
     max_lora_rank: int = 0
-    max_cpu_loras: int | None = None
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -45,7 +44,7 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
         with torch.device(device):
             shard_model(model, group)
     load_weights(model, spec.model, spec.dtype)
-    model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank, spec.max_cpu_loras,
+    model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank,
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
     use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)

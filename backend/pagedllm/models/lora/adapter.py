@@ -91,10 +91,15 @@ def load_peft_adapter(path: str, hf_config, max_rank: int) -> LoRAAdapter:
                              f"[{hf_config.vocab_size}, {hf_config.hidden_size}] (a resized vocabulary is not supported)")
         adapter.full[name] = weight.float()
     for where, ab in pairs.items():
-        name = where if isinstance(where, str) else f"model.layers.{where[0]}.{where[2]}.{where[1]}"
+        # PEFT's module names (what alpha_pattern matches against)
+        name = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}.get(where) if isinstance(where, str) \
+            else f"model.layers.{where[0]}.{where[2]}.{where[1]}"
         if set(ab) != {"A", "B"}:
             raise ValueError(f"{path}: {name}: lora_A and lora_B must both be present")
         a, b = ab["A"].float(), ab["B"].float()
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"{path}: {name}: lora_A and lora_B must be matrices, got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
         if where == "embed_tokens":
             want_in, want_out = hf_config.vocab_size, hf_config.hidden_size
         elif where == "lm_head":
@@ -102,7 +107,7 @@ def load_peft_adapter(path: str, hf_config, max_rank: int) -> LoRAAdapter:
         else:
             want_in, want_out = shapes[where[1]]
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != want_in or b.shape != (want_out, r):
+        if a.shape[1] != want_in or b.shape != (want_out, r):
             raise ValueError(f"{path}: {name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
                              f"the model (expected [r, {want_in}] and [{want_out}, r])")
         if r > max_rank:
@@ -130,6 +135,15 @@ def _read_config(path: str) -> dict:
     for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D layers)")):
         if config.get(key):
             raise ValueError(f"{file}: {why} is not supported")
+    alpha = config.get("lora_alpha", 8)
+    patterns = config.get("alpha_pattern") or {}
+    if not _number(alpha) or not isinstance(patterns, dict) or not all(_number(v) for v in patterns.values()):
+        raise ValueError(f"{file}: lora_alpha and alpha_pattern's values must be numbers")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{file}: alpha_pattern {pattern!r} is not a regular expression: {e}") from None
     if config.get("bias", "none") != "none":
         raise ValueError(f"{file}: bias={config['bias']!r}: LoRA biases are not supported (only 'none')")
     others = [m for m in config.get("modules_to_save") or [] if m not in EXTRA_MODULES]
@@ -157,11 +171,15 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"{path}: no adapter_model.safetensors or adapter_model.bin")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _scaling(config: dict, module: str, rank: int) -> float:
     """PEFT's: alpha / r (alpha / sqrt(r) with rsLoRA), alpha from alpha_pattern where a pattern matches."""
     alpha = config.get("lora_alpha", 8)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?{pattern}$", module):
+        if re.match(rf"(.*\.)?({pattern})$", module):
             alpha = value
             break
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)

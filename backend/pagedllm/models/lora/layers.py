@@ -28,14 +28,13 @@ whole on every rank, after the vocabulary-parallel layer has combined its result
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.lora.adapter import LoRAAdapter, load_peft_adapter
+from pagedllm.models.lora.adapter import LoRAAdapter
 
 _LAYER_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.\w+\.(\w+)$")
 
@@ -237,18 +236,15 @@ class LoRAEmbedding(nn.Module):
 
 
 class LoRAModel:
-    """A model's adapter slots: `install` wraps its target modules; `activate` loads adapters into slots (read
-    once from disk, then kept in host memory up to `max_cpu_loras`, least recently used dropped first);
-    `set_step` tells the modules which rows use which slot."""
+    """A model's adapter slots: construction wraps its target modules; `activate` copies an adapter's weights
+    (this rank's split of them) into a slot; `set_step` tells the modules which rows use which slot."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
-                 kernel=None) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, kernel=None) -> None:
         self.model, self.config, self.kernel = model, model.config, kernel
-        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.max_loras, self.max_rank = max_loras, max_rank
         self.state = LoRAState()
         self.linears: dict[int, list[LoRALinear]] = {}  # layer -> its wrapped projections
         self.slot_ids: list[int | None] = [None] * max_loras  # adapter id in each slot
-        self.cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._install()
 
     def _install(self) -> None:
@@ -283,21 +279,9 @@ class LoRAModel:
                                   rows="logits", kernel=self.kernel)
         self.model.lm_head = self.lm_head
 
-    def adapter(self, lora_id: int, path: str) -> LoRAAdapter:
-        """The adapter's weights: from host memory, or read (and checked) from `path`."""
-        if lora_id in self.cache:
-            self.cache.move_to_end(lora_id)
-            return self.cache[lora_id]
-        adapter = load_peft_adapter(path, self.config, self.max_rank)
-        self.cache[lora_id] = adapter
-        while self.max_cpu_loras is not None and len(self.cache) > self.max_cpu_loras:
-            self.cache.popitem(last=False)
-        return adapter
-
     @torch.inference_mode()
-    def activate(self, slot: int, lora_id: int, path: str) -> None:
-        """Put adapter `lora_id` in `slot` (whatever was there is evicted)."""
-        adapter = self.adapter(lora_id, path)
+    def activate(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Put adapter `lora_id` (its weights, checked against the model) in `slot`, evicting whatever was there."""
         for layer, modules in self.linears.items():
             for module in modules:
                 module.set_slot(slot, [adapter.projections.get((layer, p)) for p, _, _ in module.slices])
