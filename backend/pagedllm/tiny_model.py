@@ -21,7 +21,7 @@ SIZES = {
     "125m": (768, 2048, 12, 12, 4, 32000),
     "1b": (2048, 5632, 16, 32, 8, 32000),
 }
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SPECIALS = ["<s>", "</s>", "<pad>"]
 
 
@@ -56,7 +56,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | None = None):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     hidden, inter, layers, heads, kv, _ = SIZES[size]
     kv = num_key_value_heads or kv
@@ -74,6 +74,8 @@ def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | 
         return Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=hidden // heads, tie_word_embeddings=True)
+    if arch == "phi3":
+        return Phi3Config(**common, tie_word_embeddings=False, sliding_window=None)
     raise ValueError(f"--arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
 
 
@@ -97,19 +99,44 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 def make_tiny_model(out_dir: str, arch: str = "llama", size: str = "tiny", seed: int = 0,
                     dtype: str = "float32", max_shard_size: str | None = None,
                     num_key_value_heads: int | None = None) -> str:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     if size not in SIZES:
         raise ValueError(f"--size: expected one of {', '.join(SIZES)}, got {size!r}")
     tokenizer = build_tokenizer(SIZES[size][5])
     config = hf_config(arch, size, len(tokenizer), num_key_value_heads)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    return save_random_model(out_dir, config, tokenizer, seed, dtype, **kwargs)
+
+
+def make_variant_model(out_dir: str, arch: str = "llama", seed: int = 0, bin_weights: bool = False,
+                       **config_changes) -> str:
+    """A tiny model of `arch` with config fields changed (mlp_bias, head_dim, sliding_window, ...), built by
+    transformers from that config; `bin_weights`: saved as pytorch_model.bin instead of safetensors."""
+    tokenizer = build_tokenizer(SIZES["tiny"][5])
+    config = hf_config(arch, "tiny", len(tokenizer))
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    if "sliding_window" in config_changes or "max_window_layers" in config_changes:  # derived in __init__
+        config = type(config)(**{k: v for k, v in config.to_dict().items() if k != "layer_types"})
+    save_random_model(out_dir, config, tokenizer, seed, "float32")
+    if bin_weights:  # transformers 5 saves safetensors only: rewrite the weights as a PyTorch pickle
+        from safetensors.torch import load_file
+
+        weights = os.path.join(out_dir, "model.safetensors")
+        torch.save(load_file(weights), os.path.join(out_dir, "pytorch_model.bin"))
+        os.remove(weights)
+    return out_dir
+
+
+def save_random_model(out_dir: str, config, tokenizer, seed: int = 0, dtype: str = "float32", **save_kwargs) -> str:
+    """transformers' model for `config` with init_weights' random weights, saved with the tokenizer."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     init_weights(model, seed)
     model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **kwargs)
+    model.save_pretrained(out_dir, **save_kwargs)
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

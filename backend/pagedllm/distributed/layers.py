@@ -41,23 +41,33 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Columns [start, start + size) of the full weight; the partial products are summed across ranks."""
+    """Columns [start, start + size) of the full weight; the partial products are summed across ranks, then the
+    bias (whole on every rank) is added once."""
 
-    def __init__(self, in_start: int, in_size: int, out_features: int, group: TensorParallelGroup) -> None:
+    def __init__(self, in_start: int, in_size: int, out_features: int, group: TensorParallelGroup,
+                 bias: bool = False) -> None:
         super().__init__()
         self.group = group
         self.in_start = in_start
         self.weight = _empty(out_features, in_size)
+        self.bias = _empty(out_features) if bias else None
 
     def load_weight(self, param: nn.Parameter, shard, ckpt) -> None:
-        param.data.copy_(ckpt[:, self.in_start:self.in_start + param.shape[1]])
+        if param is self.bias:
+            param.data.copy_(ckpt[:])
+        else:
+            param.data.copy_(ckpt[:, self.in_start:self.in_start + param.shape[1]])
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product (a LoRA delta joins it before the all-reduce: models/lora/layers.py)."""
+        """This rank's partial product (a LoRA delta joins it before the reduction: models/lora/layers.py)."""
         return F.linear(x, self.weight)
 
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(partial)
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.local(x))
+        return self.reduce(self.local(x))
 
 
 class VocabRange:

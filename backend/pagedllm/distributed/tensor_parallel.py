@@ -67,8 +67,9 @@ def _shard_attention(attn: Attention, hidden: int, group: TensorParallelGroup) -
 def _shard_mlp(mlp: MLP, hidden: int, group: TensorParallelGroup) -> None:
     inter = mlp.inter // group.world_size
     rows = (group.rank * inter, inter)
-    mlp.gate_up_proj = ColumnParallelLinear(hidden, [rows, rows], bias=False)
-    mlp.down_proj = RowParallelLinear(rows[0], inter, hidden, group)
+    bias = mlp.down_proj.bias is not None  # Llama's mlp_bias
+    mlp.gate_up_proj = ColumnParallelLinear(hidden, [rows, rows], bias=bias)
+    mlp.down_proj = RowParallelLinear(rows[0], inter, hidden, group, bias=bias)
     mlp.inter = inter
 
 

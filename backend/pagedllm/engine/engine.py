@@ -101,8 +101,10 @@ class LLMEngine:
         self.lora_slots = LoRASlots(lora.max_loras, lambda: {r.lora.lora_int_id for r in running if r.lora}) \
             if lora.enable_lora else None
         attn = model.model.layers[0].self_attn  # the backends are raced on the first layer's shapes
-        shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype,
-                           attn.sliding_window, info.device)
+        window = next((layer.self_attn.sliding_window for layer in model.model.layers
+                       if layer.self_attn.sliding_window), None)  # and a sliding window, if a layer has one
+        shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype, window,
+                           info.device)
         self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
         self.executor.init_cache(num_blocks, self.backend)
         return num_blocks

@@ -3,12 +3,16 @@ dtype, device, context length, EOS ids, vocabulary size."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.models.checkpoint import eos_token_ids, load_config
+from pagedllm.models.layers.rotary import original_context, rope_type
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,5 +53,15 @@ def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     asked = config.max_model_len
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len: {asked} exceeds the model's max_position_embeddings {limit}")
+    original = original_context(hf_config)
+    if original is not None and original < (asked or limit):
+        kind = rope_type(hf_config)
+        if asked is not None:
+            raise ValueError(f"max_model_len: {asked} is beyond the original context {original} of rope_type "
+                             f"{kind!r}, past which transformers switches its frequencies per forward pass (not "
+                             f"supported); at most {original}")
+        logger.info("max_model_len %d: the original context of rope_type %r (its frequencies are fixed up to "
+                    "there), not max_position_embeddings %d", original, kind, limit)
+        return original
     return asked or limit
 

@@ -58,8 +58,9 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         inter = config.intermediate_size
         self.inter = inter
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        bias = bool(getattr(config, "mlp_bias", False))  # Llama's mlp_bias: all three projections
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -90,10 +91,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, **attn_kwargs) -> None:
+    def __init__(self, config, windows: list[int | None], **attn_kwargs) -> None:
+        """`windows`: each layer's sliding window (None: full attention)."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, **attn_kwargs) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, sliding_window=w, **attn_kwargs) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
@@ -108,7 +110,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Family switches, overridden by subclasses: qkv bias, q/k RMSNorm, sliding-window attention."""
+    """Family switches, overridden by subclasses: qkv bias, q/k RMSNorm, sliding-window attention (on every
+    layer, or on those config.layer_types marks "sliding_attention", as transformers does)."""
 
     # checkpoint projection name -> (our fused parameter, shard index)
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -117,11 +120,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm(config),
-                                  sliding_window=self.sliding_window(config))
+        self.model = DecoderModel(config, self.layer_windows(config), qkv_bias=self.qkv_bias(config),
+                                  qk_norm=self.qk_norm(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def checkpoint_splits(config) -> dict[str, list[int]]:
+        """Checkpoint modules holding several of our fused layer's shards in one tensor (none: q/k/v and
+        gate/up come as separate tensors, `packed_modules`)."""
+        return {}
 
     @staticmethod
     def qkv_bias(config) -> bool:
@@ -134,6 +143,13 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def sliding_window(config) -> int | None:
         return None
+
+    def layer_windows(self, config) -> list[int | None]:
+        window, layers = self.sliding_window(config), config.num_hidden_layers
+        types = getattr(config, "layer_types", None)
+        if window is None or not types:
+            return [window] * layers
+        return [window if t == "sliding_attention" else None for t in types]
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

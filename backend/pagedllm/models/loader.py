@@ -1,5 +1,6 @@
-"""Builds a registered model from its HF config and fills it from (possibly sharded) safetensors files or a
-.gguf file (dequantized, pagedllm.models.gguf_checkpoint).
+"""Builds a registered model from its HF config and fills it from (possibly sharded) safetensors files, PyTorch
+`.bin` files (older checkpoints: pytorch_model.bin or its sharded index, loaded with weights_only) or a .gguf
+file (dequantized, pagedllm.models.gguf_checkpoint).
 
 Two separate steps, so that a caller can transform the built model before its weights load (the tensor-parallel
 transform makes each layer read only its rank's slice) and after (packing linears, fused ops): the caller
@@ -21,16 +22,17 @@ from pagedllm.models.registry import resolve_model_class
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def safetensors_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, n) for n in names]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+def checkpoint_files(model_dir: str) -> tuple[str, list[str]]:
+    """("safetensors" | "bin", the files): safetensors first, as transformers prefers them."""
+    for kind, single in (("safetensors", "model.safetensors"), ("bin", "pytorch_model.bin")):
+        index = os.path.join(model_dir, single + ".index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            return kind, [os.path.join(model_dir, n) for n in names]
+        if os.path.exists(os.path.join(model_dir, single)):
+            return kind, [os.path.join(model_dir, single)]
+    raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or their .index.json in {model_dir}")
 
 
 def build_model(hf_config, device: str = "cpu") -> torch.nn.Module:
@@ -47,6 +49,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    splits = model.checkpoint_splits(model.config)
     loaded: set[str] = set()
     for name, ckpt in _checkpoint_tensors(model_dir, model.config):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
@@ -54,27 +57,46 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
         target, shard = _map_name(model, name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        param = params[target]
-        custom = getattr(modules[target.rsplit(".", 1)[0]], "load_weight", None)
-        if custom is not None:
-            custom(param, shard, ckpt)
-        else:
-            shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
-            if tuple(param.shape) != shape:
-                raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
-            param.data.copy_(ckpt[:])
-        loaded.add(target if shard is None else f"{target}#{shard}")
+        sizes = splits.get(target.rsplit(".", 2)[-2]) if shard is None else None
+        if sizes is None:
+            loaded.add(_load_one(params, modules, name, target, shard, ckpt))
+            continue
+        shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+        if shape[0] != sum(sizes):
+            raise ValueError(f"{name}: {shape[0]} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
+        at = 0
+        for i, size in enumerate(sizes):  # one fused checkpoint tensor -> each shard's rows
+            loaded.add(_load_one(params, modules, name, target, i, ckpt[at:at + size]))
+            at += size
     _check_complete(params, modules, loaded, tied)
+
+
+def _load_one(params, modules, name: str, target: str, shard: int | None, ckpt) -> str:
+    """Copy one checkpoint tensor (or one shard's rows of it) into its parameter; returns what it loaded."""
+    param = params[target]
+    custom = getattr(modules[target.rsplit(".", 1)[0]], "load_weight", None)
+    if custom is not None:
+        custom(param, shard, ckpt)
+    else:
+        shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+        if tuple(param.shape) != shape:
+            raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
+        param.data.copy_(ckpt[:])
+    return target if shard is None else f"{target}#{shard}"
 
 
 def _checkpoint_tensors(model_dir: str, hf_config):
     """(name, tensor) pairs: safetensors' are lazy slices (a sharded layer reads only its rows or columns), a
-    GGUF file's are dense tensors, dequantized one at a time."""
+    .bin file's are memory-mapped tensors, a GGUF file's are dense tensors, dequantized one at a time."""
     path = gguf_file(model_dir)
     if path is not None:
         yield from gguf_tensors(path, hf_config)
         return
-    for file in safetensors_files(model_dir):
+    kind, files = checkpoint_files(model_dir)
+    for file in files:
+        if kind == "bin":  # weights_only: a pickle that holds anything but tensors is refused, never run
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+            continue
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)

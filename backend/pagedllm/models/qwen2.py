@@ -1,4 +1,5 @@
-"""Qwen2: Llama with a bias on the q/k/v projections."""
+"""Qwen2: Llama with a bias on the q/k/v projections; with use_sliding_window, a sliding window on the layers
+config.layer_types marks (from max_window_layers on)."""
 
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -10,5 +11,4 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def sliding_window(config):
-        if getattr(config, "use_sliding_window", False):
-            raise NotImplementedError("Qwen2 sliding-window attention (use_sliding_window) is not supported")
+        return config.sliding_window if getattr(config, "use_sliding_window", False) else None

@@ -1,4 +1,5 @@
-"""Qwen3: Llama with per-head RMSNorm on q and k before rotary."""
+"""Qwen3: Llama with per-head RMSNorm on q and k before rotary (head_dim may differ from hidden / heads); with
+use_sliding_window, a sliding window on the layers config.layer_types marks."""
 
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -10,5 +11,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def sliding_window(config):
-        if getattr(config, "use_sliding_window", False):
-            raise NotImplementedError("Qwen3 sliding-window attention is not supported")
+        return config.sliding_window if getattr(config, "use_sliding_window", False) else None

@@ -186,7 +186,7 @@ class LoRALinear(nn.Module):
             batch.replace_rows(y, self.full, lambda rows, w: F.linear(x[rows], w))
         if batch is not None and batch.touches(self.loaded):
             y = batch.add_delta(y, x, self)
-        return self.base.group.all_reduce(y) if local is not None else y
+        return self.base.reduce(y) if local is not None else y
 
 
 class LoRAEmbedding(nn.Module):

@@ -1,0 +1,96 @@
+"""Variants inside the four families, and Phi-3, each against transformers on the same weights (fp32, greedy,
+with and without preemption): `.bin` checkpoints, Llama's mlp_bias, Qwen3 with head_dim != hidden / heads,
+Mistral's sliding window, Qwen2's use_sliding_window (a window on the layers from max_window_layers on), dynamic
+NTK and LongRoPE rope scaling (within their original context), Phi-3's fused checkpoint projections with a
+sliding window and partial rotary (Phi-4-mini's 0.75); mlp_bias and Phi-3 under tensor parallelism."""
+
+import os
+
+import pytest
+
+from conftest import assert_all_blocks_free, random_prompts
+from pagedllm import LLM
+from pagedllm.tiny_model import make_variant_model
+from test_oracle import hf_greedy, ours
+
+LENGTHS = [3, 30, 70, 120, 9]
+MAX_TOKENS = [12, 40, 20, 16, 30]
+VARIANTS = {
+    "bin": dict(arch="llama", bin_weights=True),
+    "mlp_bias": dict(arch="llama", mlp_bias=True),
+    "qwen3_head_dim": dict(arch="qwen3", head_dim=48),
+    "mistral_window": dict(arch="mistral", sliding_window=24),
+    "qwen2_window": dict(arch="qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=1),
+    "dynamic_rope": dict(arch="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                         "factor": 4.0}),
+    "phi3_longrope": dict(arch="phi3", original_max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
+    "phi3": dict(arch="phi3"),
+    "phi3_window_partial_rotary": dict(arch="phi3", sliding_window=24,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.75}),
+}
+
+
+def block_bytes(model_dir: str) -> int:
+    """One 16-token KV block of the model, fp32."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = make_variant_model(str(tmp_path_factory.mktemp(name)), **VARIANTS[name])
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_matches_transformers(variant, name, preempt):
+    d = variant(name)
+    if name == "bin":
+        assert os.path.exists(os.path.join(d, "pytorch_model.bin"))
+        assert not os.path.exists(os.path.join(d, "model.safetensors"))
+    prompts = random_prompts(LENGTHS, seed=len(name))
+    expected = hf_greedy(d, prompts, MAX_TOKENS)
+    kwargs = dict(kv_cache_memory_bytes=20 * block_bytes(d), max_num_batched_tokens=96) if preempt else {}
+    llm = LLM(d, dtype="float32", max_model_len=256, **{"kv_cache_memory_bytes": 16 << 20, **kwargs})
+    assert ours(llm, prompts, MAX_TOKENS) == expected
+    assert (llm.get_stats().num_preemptions > 0) == preempt
+    assert_all_blocks_free(llm)
+
+
+def test_switching_rope_types_stop_at_their_original_context(variant):
+    """longrope (and dynamic) frequencies change per forward pass past the original context in transformers: the
+    engine's context ends there by default, and a longer max_model_len is refused naming why."""
+    d = variant("phi3_longrope")
+    assert LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.max_model_len == 256
+    with pytest.raises(ValueError, match="beyond the original context 256 of rope_type 'longrope'"):
+        LLM(d, dtype="float32", max_model_len=512, kv_cache_memory_bytes=8 << 20)
+
+
+def test_windows_follow_layer_types(variant):
+    llm = LLM(variant("qwen2_window"), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert [layer.self_attn.sliding_window for layer in llm.engine.executor.model.model.layers] == [None, 24]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mlp_bias", "phi3"])
+def test_under_tensor_parallelism(variant, name):
+    d = variant(name)
+    prompts = random_prompts(LENGTHS, seed=3)
+    llm = LLM(d, dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    try:
+        assert ours(llm, prompts, MAX_TOKENS) == hf_greedy(d, prompts, MAX_TOKENS)
+    finally:
+        llm.shutdown()
