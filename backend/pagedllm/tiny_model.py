@@ -21,7 +21,7 @@ SIZES = {
     "125m": (768, 2048, 12, 12, 4, 32000),
     "1b": (2048, 5632, 16, 32, 8, 32000),
 }
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 SPECIALS = ["<s>", "</s>", "<pad>"]
 
 
@@ -56,7 +56,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | None = None):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     hidden, inter, layers, heads, kv, _ = SIZES[size]
     kv = num_key_value_heads or kv
@@ -76,6 +76,13 @@ def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | 
         return Qwen3Config(**common, head_dim=hidden // heads, tie_word_embeddings=True)
     if arch == "phi3":
         return Phi3Config(**common, tie_word_embeddings=False, sliding_window=None)
+    if arch == "gemma3":  # one sliding-window layer (window 24, local rope) and one global one
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}
+        return Gemma3TextConfig(**common, head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads,
+                                sliding_window=24, layer_types=["sliding_attention", "full_attention"][:layers] +
+                                ["full_attention"] * max(0, layers - 2), rope_parameters=rope,
+                                tie_word_embeddings=False, architectures=["Gemma3ForCausalLM"])
     raise ValueError(f"--arch: expected one of {', '.join(ARCHS)}, got {arch!r}")
 
 
@@ -134,6 +141,11 @@ def save_random_model(out_dir: str, config, tokenizer, seed: int = 0, dtype: str
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     init_weights(model, seed)
+    if config.model_type.startswith("gemma"):  # Gemma's norms scale by 1 + weight: 0 is their identity
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.zero_()
     model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, **save_kwargs)

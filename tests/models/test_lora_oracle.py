@@ -123,6 +123,17 @@ def test_adapter_with_its_own_embedding_and_lm_head(model_dir, adapters, tmp_pat
         merged_greedy(d, saved, prompts[3:], MAX_TOKENS[3:])[0]]
 
 
+def test_gemma3_adapter_with_a_scaled_embedding(tmp_path):
+    """Gemma 3 scales its embeddings by sqrt(hidden): PEFT scales the embedding's LoRA delta with them."""
+    from pagedllm.tiny_model import make_variant_model
+
+    d = make_variant_model(str(tmp_path / "gemma3"), arch="gemma3")
+    lora = LoRARequest("g", 1, make_lora_adapter(d, str(tmp_path / "adapter"), rank=8, seed=4,
+                                                 targets=LORA_TARGETS + ("embed_tokens", "lm_head")))
+    prompts = random_prompts(LENGTHS, seed=9)
+    assert ours(lora_llm(d), prompts, MAX_TOKENS, lora) == merged_greedy(d, lora, prompts, MAX_TOKENS)
+
+
 def test_rslora_and_per_module_alpha(model_dir, adapters):
     d = model_dir("qwen2")
     rs = adapters("qwen2", 16, seed=6, use_rslora=True)

@@ -2,7 +2,8 @@
 with and without preemption): `.bin` checkpoints, Llama's mlp_bias, Qwen3 with head_dim != hidden / heads,
 Mistral's sliding window, Qwen2's use_sliding_window (a window on the layers from max_window_layers on), dynamic
 NTK and LongRoPE rope scaling (within their original context), Phi-3's fused checkpoint projections with a
-sliding window and partial rotary (Phi-4-mini's 0.75); mlp_bias and Phi-3 under tensor parallelism."""
+sliding window and partial rotary (Phi-4-mini's 0.75), Gemma 3 (its norms, sliding and global layers with their
+own rope, final soft-capping); mlp_bias, Phi-3 and Gemma 3 under tensor parallelism."""
 
 import os
 
@@ -27,6 +28,8 @@ VARIANTS = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256, "partial_rotary_factor": 1.0,
         "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
     "phi3": dict(arch="phi3"),
+    "gemma3": dict(arch="gemma3"),
+    "gemma3_softcap": dict(arch="gemma3", final_logit_softcapping=3.0),
     "phi3_window_partial_rotary": dict(arch="phi3", sliding_window=24,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.75}),
@@ -79,13 +82,35 @@ def test_switching_rope_types_stop_at_their_original_context(variant):
         LLM(d, dtype="float32", max_model_len=512, kv_cache_memory_bytes=8 << 20)
 
 
+def test_final_logit_softcapping_shapes_the_distribution(variant):
+    """Soft-capping is monotonic (greedy tokens cannot show it): the logprobs must be transformers' capped ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import SamplingParams
+
+    d = variant("gemma3_softcap")
+    prompt = random_prompts([20], seed=2)[0]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1]
+    want = torch.log_softmax(logits.float(), -1)
+    llm = LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)[0].outputs[0]
+    token = out.token_ids[0]
+    assert abs(out.logprobs[0][token].logprob - want[token].item()) < 1e-4
+    uncapped = torch.log_softmax(logits * 0 + torch.atanh((logits / 3.0).clamp(-0.999999, 0.999999)) * 3.0, -1)
+    assert abs(uncapped[token].item() - want[token].item()) > 1e-3  # the cap moved it
+
+
 def test_windows_follow_layer_types(variant):
     llm = LLM(variant("qwen2_window"), dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert [layer.self_attn.sliding_window for layer in llm.engine.executor.model.model.layers] == [None, 24]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp_bias", "phi3"])
+@pytest.mark.parametrize("name", ["mlp_bias", "phi3", "gemma3"])
 def test_under_tensor_parallelism(variant, name):
     d = variant(name)
     prompts = random_prompts(LENGTHS, seed=3)

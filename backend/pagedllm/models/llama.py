@@ -49,13 +49,17 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
     fused_ops = None  # set by use_fused_ops (SiLU-and-mul)
 
     def __init__(self, config) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.act = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma's name for it
+        if self.act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
         inter = config.intermediate_size
         self.inter = inter
         bias = bool(getattr(config, "mlp_bias", False))  # Llama's mlp_bias: all three projections
@@ -64,11 +68,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        fused = fused_for(self.fused_ops, gate_up)
+        fused = fused_for(self.fused_ops, gate_up) if self.act == "silu" else None
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nn.Module):

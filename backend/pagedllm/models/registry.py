@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
@@ -20,6 +21,7 @@ _REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 _entry_points_loaded = False
 

@@ -26,9 +26,12 @@ def original_context(config) -> int | None:
             or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
 
 
-def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for config's rope_parameters."""
+def rope_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for config's rope_parameters (those of `layer_type`
+    where they are given per layer type, as Gemma 3's are)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -41,14 +44,15 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, "
                                   f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     # seq_len None: the frequencies within the original context (the switching types' short / unscaled ones)
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = rope_frequencies(config, head_dim)
+        inv_freq, scaling = rope_frequencies(config, head_dim, layer_type)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
