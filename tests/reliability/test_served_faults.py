@@ -47,9 +47,9 @@ def reference(llama_dir):
         PROMPTS, llm.generate(PROMPTS, SamplingParams(**STREAM), use_tqdm=False))}
 
 
-def run_streams(server, prompts, results: dict) -> list[threading.Thread]:
+def run_streams(server, prompts, results: dict, params: dict = STREAM) -> list[threading.Thread]:
     def one(p):
-        results[p] = grpc_call(server, grpc_inputs(p, STREAM, stream=True))
+        results[p] = grpc_call(server, grpc_inputs(p, params, stream=True))
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:
@@ -105,7 +105,9 @@ def test_a_forward_fault_fails_in_flight_requests_then_the_engine_comes_back(lla
     server = triton_server.start(tmp_path, llama_dir, engine, explicit_model_control=explicit)
     try:
         results: dict = {}
-        threads = run_streams(server, PROMPTS, results)
+        # Long enough that none can finish before the faulting request reaches a step, on a loaded host too
+        # (with 120 tokens, one was seen to end first while other work shared the 2 cores).
+        threads = run_streams(server, PROMPTS, results, {**STREAM, "max_tokens": 480})
         wait_streaming(server, len(PROMPTS))
         _, err = grpc_call(server, grpc_inputs(word, STREAM, stream=True))
         states = [ready(server)]
