@@ -21,7 +21,8 @@ SIZES = {
     "125m": (768, 2048, 12, 12, 4, 32000),
     "1b": (2048, 5632, 16, 32, 8, 32000),
 }
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe",
+         "gpt_neox", "stablelm")
 SPECIALS = ["<s>", "</s>", "<pad>"]
 
 
@@ -56,7 +57,8 @@ def build_tokenizer(vocab_size: int):
 
 
 def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | None = None):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     hidden, inter, layers, heads, kv, _ = SIZES[size]
     kv = num_key_value_heads or kv
@@ -76,6 +78,31 @@ def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | 
         return Qwen3Config(**common, head_dim=hidden // heads, tie_word_embeddings=True)
     if arch == "phi3":
         return Phi3Config(**common, tie_word_embeddings=False, sliding_window=None)
+    # Mixtures of experts: 8 experts, 2 per token, so that routing decides the output.
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "qwen3_moe":  # the last layer dense (mlp_only_layers)
+        return Qwen3MoeConfig(**common, head_dim=hidden // heads, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=inter // 4, norm_topk_prob=True, mlp_only_layers=[layers - 1],
+                              tie_word_embeddings=False)
+    if arch == "qwen2_moe":  # with the shared expert; top-k weights not renormalised
+        return Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=inter // 4,
+                              shared_expert_intermediate_size=inter // 2, norm_topk_prob=False,
+                              tie_word_embeddings=False)
+    # Architectures the registry does not know (they run through the transformers fallback).
+    if arch == "gpt_neox":  # multi-head attention, partial rotary, parallel residual, LayerNorm
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter,
+                             num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=2048,
+                             bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    if arch == "stablelm":  # GQA, partial rotary, qkv bias, LayerNorm
+        from transformers import StableLmConfig
+
+        return StableLmConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=inter,
+                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                              max_position_embeddings=2048, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                              use_qkv_bias=True, tie_word_embeddings=False)
     if arch == "gemma3":  # one sliding-window layer (window 24, local rope) and one global one
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}

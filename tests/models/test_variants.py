@@ -29,6 +29,9 @@ VARIANTS = {
         "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
     "phi3": dict(arch="phi3"),
     "gemma3": dict(arch="gemma3"),
+    "mixtral": dict(arch="mixtral"),
+    "qwen3_moe": dict(arch="qwen3_moe"),
+    "qwen2_moe": dict(arch="qwen2_moe"),
     "gemma3_softcap": dict(arch="gemma3", final_logit_softcapping=3.0),
     "phi3_window_partial_rotary": dict(arch="phi3", sliding_window=24,
                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -104,13 +107,28 @@ def test_final_logit_softcapping_shapes_the_distribution(variant):
     assert abs(uncapped[token].item() - want[token].item()) > 1e-3  # the cap moved it
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_experts_share_the_load_and_are_counted(variant, name):
+    """Every routed token lands on top_k experts; the load spreads (routing matters), and the counts are the
+    engine's per-layer expert load (its stats, exported as metrics)."""
+    llm = LLM(variant(name), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    prompts = random_prompts([40, 9], seed=4)
+    ours(llm, prompts, [6, 6])
+    load = llm.get_stats().moe_expert_tokens
+    computed = sum(len(p) for p in prompts) + 2 * 5  # prompt tokens, then the decodes before the last token
+    assert load and all(sum(c) == 2 * computed for c in load.values())  # top-2
+    assert all(sum(1 for n in c if n) > 4 for c in load.values())  # more than a few of the 8 experts in use
+    if name == "qwen3_moe":
+        assert list(load) == [0]  # its last layer is dense (mlp_only_layers)
+
+
 def test_windows_follow_layer_types(variant):
     llm = LLM(variant("qwen2_window"), dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert [layer.self_attn.sliding_window for layer in llm.engine.executor.model.model.layers] == [None, 24]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp_bias", "phi3", "gemma3"])
+@pytest.mark.parametrize("name", ["mlp_bias", "phi3", "gemma3", "mixtral", "qwen2_moe"])
 def test_under_tensor_parallelism(variant, name):
     d = variant(name)
     prompts = random_prompts(LENGTHS, seed=3)

@@ -24,6 +24,7 @@ def run(script, *args):
     ("parallel_sampling.py", ["--quick"], "speedup_median"),
     ("lora.py", ["--quick"], "ratio_median"),
     ("lora.py", ["--deltas"], "speedup"),
+    ("moe.py", ["--quick"], "ratio_pagedllm_over_transformers"),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

@@ -24,6 +24,7 @@ from pagedllm.distributed.layers import (
     VocabParallelEmbedding,
     VocabRange,
 )
+from pagedllm.models.layers.moe import FusedMoE
 from pagedllm.models.llama import MLP, Attention
 
 
@@ -73,7 +74,14 @@ def _shard_mlp(mlp: MLP, hidden: int, group: TensorParallelGroup) -> None:
     mlp.inter = inter
 
 
-_SHARDERS = {Attention: _shard_attention, MLP: _shard_mlp}
+def _shard_experts(moe: FusedMoE, hidden: int, group: TensorParallelGroup) -> None:
+    if moe.full_inter % group.world_size:
+        raise ValueError(f"tensor_parallel_size: {group.world_size} does not divide the experts' intermediate "
+                         f"size {moe.full_inter}")
+    moe.shard(group.rank, group.world_size, group)
+
+
+_SHARDERS = {Attention: _shard_attention, MLP: _shard_mlp, FusedMoE: _shard_experts}
 
 
 def shard_model(model: nn.Module, group: TensorParallelGroup) -> nn.Module:

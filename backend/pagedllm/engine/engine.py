@@ -370,8 +370,17 @@ class LLMEngine:
             attention_selection={"chosen": selection.chosen, "reason": selection.reason,
                                  "results": selection.results},
             kernels={"fused_cpu_ops": self.config.fused_cpu_ops, "amx_linear": self.config.amx_linear},
+            moe_expert_tokens=self._expert_tokens(),
             lora_max=self.lora_slots.max_loras if self.lora_slots else 0,
             lora_loads=self.lora_slots.num_loads if self.lora_slots else 0)
+
+    def _expert_tokens(self) -> dict[int, list[int]]:
+        counts = {}
+        for i, layer in enumerate(self.executor.model.model.layers):
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is not None and hasattr(experts, "expert_tokens"):
+                counts[i] = experts.expert_tokens.tolist()
+        return counts
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()

@@ -44,8 +44,10 @@ class ModelRunner:
             block_size=self.block_size,
             backend=self.backend,
         )
-        hidden = self.model(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
-                            self.kv_caches, meta)
+        ids, positions = torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev)
+        if hasattr(self.model, "forward_with_logits"):  # the transformers fallback: its own forward picks the rows
+            return self.model.forward_with_logits(ids, positions, self.kv_caches, meta, step.logits_indices)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
         if not step.logits_indices:
             return torch.empty(0)
         # Every rank computes the logits: with a vocabulary-parallel LM head that is a collective.

@@ -31,3 +31,5 @@ class EngineStats:
     lora_running: list[str] = field(default_factory=list)  # adapters of running requests, by name
     lora_waiting: list[str] = field(default_factory=list)  # adapters of waiting requests
     lora_loads: int = 0  # adapters put in a slot (first use, or again after an eviction)
+    # mixture of experts: per MoE layer, the tokens routed to each expert so far (rank 0's count)
+    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)

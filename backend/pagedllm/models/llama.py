@@ -49,18 +49,23 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation_name(config) -> str:
+    act = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma's name for it
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return act
 
 
 class MLP(nn.Module):
     fused_ops = None  # set by use_fused_ops (SiLU-and-mul)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.act = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma's name for it
-        if self.act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-        inter = config.intermediate_size
+        self.act = activation_name(config)
+        inter = intermediate_size or config.intermediate_size
         self.inter = inter
         bias = bool(getattr(config, "mlp_bias", False))  # Llama's mlp_bias: all three projections
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
@@ -72,16 +77,16 @@ class MLP(nn.Module):
         if fused is not None:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(_ACTIVATIONS[self.act](gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, **attn_kwargs) -> None:
+    def __init__(self, config, mlp: nn.Module, **attn_kwargs) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, **attn_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp  # an MLP, or a mixture of experts (models/moe.py)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         """x: the previous layer's output (or the embeddings, with residual None), not yet added to the
@@ -95,11 +100,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, windows: list[int | None], **attn_kwargs) -> None:
-        """`windows`: each layer's sliding window (None: full attention)."""
+    def __init__(self, config, windows: list[int | None], mlps: list[nn.Module], **attn_kwargs) -> None:
+        """`windows`: each layer's sliding window (None: full attention); `mlps`: each layer's feed-forward."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, sliding_window=w, **attn_kwargs) for w in windows)
+        self.layers = nn.ModuleList(DecoderLayer(config, mlp, sliding_window=w, **attn_kwargs)
+                                    for w, mlp in zip(windows, mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
@@ -124,11 +130,25 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.layer_windows(config), qkv_bias=self.qkv_bias(config),
-                                  qk_norm=self.qk_norm(config))
+        self.model = DecoderModel(config, self.layer_windows(config),
+                                  [self.feed_forward(config, i) for i in range(config.num_hidden_layers)],
+                                  qkv_bias=self.qkv_bias(config), qk_norm=self.qk_norm(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def feed_forward(config, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward block (the MoE families return their experts here)."""
+        return MLP(config)
+
+    def checkpoint_name(self, name: str) -> tuple[str, object]:
+        """A checkpoint tensor's name -> (our parameter, its shard: None, a fused layer's index, or what the
+        layer's load_weight takes)."""
+        for ckpt, (ours, shard) in self.packed_modules.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{ours}."), shard
+        return name, None
 
     @staticmethod
     def checkpoint_splits(config) -> dict[str, list[int]]:

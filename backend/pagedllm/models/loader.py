@@ -44,7 +44,13 @@ def build_model(hf_config, device: str = "cpu") -> torch.nn.Module:
 def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> None:
     """Cast `model` to dtype and fill every parameter from the checkpoint; a layer with a `load_weight` method
     reads its own part of a tensor (a lazy slice). Raises ValueError for a tensor with no place, a wrong shape,
-    or a parameter the checkpoint lacks."""
+    or a parameter the checkpoint lacks. The transformers fallback loads itself (transformers' own loading)."""
+    if hasattr(model, "load_pretrained"):
+        if gguf_file(model_dir) is not None:
+            raise ValueError(f"{model_dir}: a .gguf file of architecture {model.config.architectures[0]!r} is not "
+                             "supported (the transformers fallback reads HF checkpoints only)")
+        model.load_pretrained(model_dir, dtype)
+        return
     model.to(dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
@@ -54,7 +60,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
     for name, ckpt in _checkpoint_tensors(model_dir, model.config):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard = _map_name(model, name)
+        target, shard = model.checkpoint_name(name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         sizes = splits.get(target.rsplit(".", 2)[-2]) if shard is None else None
@@ -102,21 +108,18 @@ def _checkpoint_tensors(model_dir: str, hf_config):
                 yield name, f.get_slice(name)
 
 
-def _map_name(model, name: str) -> tuple[str, int | None]:
-    for ckpt, (ours, shard) in model.packed_modules.items():
-        if f".{ckpt}." in name:
-            return name.replace(f".{ckpt}.", f".{ours}."), shard
-    return name, None
-
-
 def _check_complete(params, modules, loaded: set[str], tied: bool) -> None:
     expected = set()
     for name in params:
         if tied and name == "lm_head.weight":
             continue
-        module = name.rsplit(".", 1)[0]
+        module, leaf = name.rsplit(".", 1)
+        shards = getattr(modules[module], "checkpoint_shards", {}).get(leaf)  # a mixture of experts' pieces
         sizes = getattr(modules[module], "output_sizes", None)
-        expected |= {f"{name}#{i}" for i in range(len(sizes))} if sizes else {name}
+        if shards:
+            expected |= {f"{name}#{s}" for s in shards}
+        else:
+            expected |= {f"{name}#{i}" for i in range(len(sizes))} if sizes else {name}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -11,6 +11,7 @@ from importlib.metadata import entry_points
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
@@ -22,6 +23,9 @@ _REGISTRY: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 _entry_points_loaded = False
 
@@ -46,11 +50,23 @@ def resolve_model_class(config) -> type:
             f"config.json has no 'architectures'; supported: {', '.join(supported_architectures())}")
     _load_entry_points()
     arch = archs[0]
-    if arch not in _REGISTRY:
-        raise UnsupportedArchitectureError(
-            f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())} "
-            "(register more with pagedllm.models.register_model or the 'pagedllm.models' entry-point group)")
-    return _REGISTRY[arch]
+    if arch in _REGISTRY:
+        return _REGISTRY[arch]
+    if arch.endswith("ForCausalLM") and _transformers_knows(config):
+        from pagedllm.models.transformers_fallback import TransformersForCausalLM
+
+        return TransformersForCausalLM
+    raise UnsupportedArchitectureError(
+        f"architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}, and any "
+        "*ForCausalLM transformers has (the fallback) (register more with pagedllm.models.register_model or the "
+        "'pagedllm.models' entry-point group)")
+
+
+def _transformers_knows(config) -> bool:
+    """transformers has the class config.architectures[0] names (the fallback builds it)."""
+    import transformers
+
+    return isinstance(getattr(transformers, config.architectures[0], None), type)
 
 
 def _load_entry_points() -> None:

@@ -4,7 +4,9 @@ A thread of its own publishes every 100 ms: gauges and counters from the engine'
 observations drained from the engine's queue. With LoRA, `pagedllm:lora_requests_info` is vLLM's info gauge:
 labels max_lora, running_lora_adapters and waiting_lora_adapters (adapter names, comma-separated), value the
 time the labels were last current: as in vLLM, earlier combinations stay with their last time, and the
-current one is the series with the largest value. The engine loop never waits on a metric call. The engine may be
+current one is the series with the largest value. A mixture-of-experts model adds
+`pagedllm:moe_expert_tokens_total{layer, expert}`: the tokens routed to each expert of each MoE layer (the
+expert load that balance dashboards plot). The engine loop never waits on a metric call. The engine may be
 replaced (a restart after a failure) or absent meanwhile: counters carry on from where the previous engine
 left them, and while there is none the gauges read empty.
 """
@@ -100,6 +102,10 @@ class MetricsPublisher:
                                   description="Running and waiting LoRA adapters (labels); value: last update time")
         self._families.append(self.lora_family)
         self.lora_info: dict[tuple, object] = {}  # label values -> its series
+        self.moe_family = family(name="pagedllm:moe_expert_tokens_total", kind=family.COUNTER,
+                                 description="Tokens routed to each expert, per MoE layer")
+        self._families.append(self.moe_family)
+        self.moe_tokens: dict[str, object] = {}  # "layer:expert" -> its counter
         self.published: dict[str, int] = {}
         self._lock = ipc_lock if ipc_lock is not None else threading.Lock()
         self._stop = threading.Event()
@@ -127,6 +133,7 @@ class MetricsPublisher:
         counts["requests_timed_out"] = s.requests_finished.get("timeout", 0)
         counts.update({f"success:{r}": s.requests_finished.get(r, 0) for r in FINISH_REASONS})
         counts.update({f"accepted_pos:{i}": v for i, v in enumerate(s.spec_decode_accepted_per_position)})
+        counts.update({f"moe:{layer}:{e}": v for layer, per in s.moe_expert_tokens.items() for e, v in enumerate(per)})
         return {k: self.carried.get(k, 0) + v for k, v in counts.items()}
 
     def publish(self) -> None:
@@ -157,12 +164,21 @@ class MetricsPublisher:
             self.per_position.append(self.per_position_family.Metric(labels={**self._labels, "position": pos}))
         for key, value in counts.items():
             kind, _, name = key.partition(":")
-            metric = (self.success[name] if kind == "success" else self.per_position[int(name)]
-                      if kind == "accepted_pos" else self.counters[key])
+            if kind == "moe":
+                metric = self._moe_counter(name)
+            else:
+                metric = (self.success[name] if kind == "success" else self.per_position[int(name)]
+                          if kind == "accepted_pos" else self.counters[key])
             self._advance(key, metric, value)
         if s.lora_max:
             self._publish_lora(s)
         self._observe()
+
+    def _moe_counter(self, name: str):
+        if name not in self.moe_tokens:
+            layer, expert = name.split(":")
+            self.moe_tokens[name] = self.moe_family.Metric(labels={**self._labels, "layer": layer, "expert": expert})
+        return self.moe_tokens[name]
 
     def _publish_lora(self, s) -> None:
         key = (str(s.lora_max), ",".join(s.lora_running), ",".join(s.lora_waiting))
@@ -198,5 +214,6 @@ class MetricsPublisher:
             self.gauges = self.counters = self.success = self.histograms = {}
             self.per_position, self.per_position_family = [], None
             self.lora_info, self.lora_family = {}, None
+            self.moe_tokens, self.moe_family = {}, None
             self._families.clear()
             gc.collect()

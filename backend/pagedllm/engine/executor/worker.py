@@ -40,13 +40,18 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
     """The model (or, with a group of several ranks, this rank's shard of it), loaded and ready to run; with
     LoRA slots, `model.lora` is its LoRAModel (None otherwise)."""
     model = build_model(hf_config, device)
+    fallback = getattr(model, "is_fallback", False)
+    if fallback and ((group is not None and group.world_size > 1) or spec.max_loras):
+        raise ValueError(f"{hf_config.architectures[0]} runs through the transformers fallback, which supports "
+                         "neither tensor parallelism nor LoRA")
     if group is not None and group.world_size > 1:
         with torch.device(device):
             shard_model(model, group)
     load_weights(model, spec.model, spec.dtype)
     model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank,
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
-    pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
+    if not fallback:  # transformers' modules may read their linears' .weight
+        pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
     use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)
     return model
 

@@ -1,0 +1,74 @@
+"""A fused mixture-of-experts layer: top-k routing, then every expert's gate/up and down projections as one
+grouped matmul each over the tokens sorted by expert (`torch._grouped_mm`, which runs on CPU and GPU), and the
+weighted results added back per token. No Python loop over experts.
+
+    probs = softmax(router(x)) (fp32); w, e = topk(probs, k); w /= sum(w) if renormalize
+    y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t]))      e = e[t, j]
+
+Weights are stored K-major for the grouped matmul: gate_up [experts, hidden, 2 * inter] (gate columns first),
+down [experts, inter, hidden]. Each expert's checkpoint tensors load into their slices (`load_weight` with shard
+(expert, part)); with tensor parallelism each rank keeps its rows of every expert's intermediate size and the
+partial outputs are summed across ranks. `expert_tokens` counts the tokens routed to each expert (metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
+                 weights_in_model_dtype: bool, act) -> None:
+        """`weights_in_model_dtype`: the routing weights are cast to the model's dtype before they multiply
+        (the Qwen MoE families) rather than kept in fp32 (Mixtral)."""
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.weights_in_model_dtype, self.act = weights_in_model_dtype, act
+        self.inter, self.inter_start, self.full_inter = inter, 0, inter  # this rank's rows of each expert
+        self.group = None  # tensor parallelism: the partial outputs are all-reduced
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(num_experts, inter, hidden), requires_grad=False)
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        # every (expert, part) a checkpoint must provide, per parameter (models/loader.py checks them)
+        self.checkpoint_shards = {"w_gate_up": [(e, p) for e in range(num_experts) for p in (0, 1)],
+                                  "w_down": [(e, 0) for e in range(num_experts)]}
+
+    def shard(self, rank: int, world_size: int, group) -> None:
+        """Keep this rank's 1/world_size of every expert's intermediate rows (before the weights load)."""
+        self.inter = self.full_inter // world_size
+        self.inter_start, self.group = rank * self.inter, group
+        e, hidden = self.num_experts, self.w_down.shape[2]
+        self.w_gate_up = nn.Parameter(torch.empty(e, hidden, 2 * self.inter), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(e, self.inter, hidden), requires_grad=False)
+
+    def load_weight(self, param: nn.Parameter, shard, ckpt) -> None:
+        """`shard` = (expert, part): part 0 gate, 1 up (of w_gate_up), 0 down; `ckpt` the expert's HF tensor."""
+        expert, part = shard
+        rows = slice(self.inter_start, self.inter_start + self.inter)
+        if param is self.w_down:  # checkpoint [hidden, inter]
+            param.data[expert].copy_(ckpt[:, rows].t())
+        else:  # checkpoint [inter, hidden]
+            at = part * self.inter
+            param.data[expert, :, at:at + self.inter].copy_(ckpt[rows].t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_tokens += counts
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        tokens = order // self.top_k
+        h = torch._grouped_mm(x[tokens], self.w_gate_up, offs=offsets)
+        gate, up = h.split(self.inter, dim=-1)
+        out = torch._grouped_mm(self.act(gate) * up, self.w_down, offs=offsets)
+        out = (out * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+        y = torch.zeros_like(x).index_add_(0, tokens, out)
+        return y if self.group is None else self.group.all_reduce(y)
