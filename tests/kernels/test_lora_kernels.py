@@ -1,7 +1,8 @@
 """The batched LoRA delta kernels against their torch references: the C++ bf16 kernel (groups of tokens per
 slot), the Triton SGMV kernel under the interpreter (segments of consecutive rows), and the model layer's
 grouped torch path, at shapes on and around the kernels' block edges (4 tokens, 4 ranks, 32 input and 64 output
-columns), with ranks below the maximum, empty groups and rows that use no adapter."""
+columns), with ranks below the maximum, empty groups and rows that use no adapter; and the mixture-of-experts
+layer's GPU path, which runs its grouped matmuls through the same Triton kernel."""
 
 import numpy as np
 import pytest
@@ -143,3 +144,27 @@ def test_lora_linear_paths_match_per_token_reference(dtype, path):
             at += size
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_triton_path_matches_grouped_mm(dtype):
+    """The mixture-of-experts layer's GPU path (each expert's sorted rows one SGMV segment; here under the
+    interpreter) against its CPU path (torch._grouped_mm), experts with no token included."""
+    import torch.nn.functional as F
+
+    from pagedllm.models.layers.moe import FusedMoE
+
+    g = torch.Generator().manual_seed(3)
+    moe = FusedMoE(32, 48, 6, 2, True, False, F.silu)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    moe = moe.to(dtype)
+    x = torch.randn(13, 32, generator=g).to(dtype)
+    with torch.no_grad():
+        want = moe(x)
+        moe.triton = True
+        got = moe(x)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert int(moe.expert_tokens.sum()) == 2 * 2 * 13  # two forwards, top-2

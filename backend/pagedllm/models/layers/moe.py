@@ -1,6 +1,7 @@
 """A fused mixture-of-experts layer: top-k routing, then every expert's gate/up and down projections as one
-grouped matmul each over the tokens sorted by expert (`torch._grouped_mm`, which runs on CPU and GPU), and the
-weighted results added back per token. No Python loop over experts.
+grouped matmul each over the tokens sorted by expert, and the weighted results added back per token. No Python
+loop over experts. The grouped matmul is `torch._grouped_mm` on the CPU and our Triton segmented matmul on a GPU
+(kernels/lora_sgmv.py: each expert's rows are one segment; tested under the interpreter).
 
     probs = softmax(router(x)) (fp32); w, e = topk(probs, k); w /= sum(w) if renormalize
     y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t]))      e = e[t, j]
@@ -19,10 +20,12 @@ from torch import nn
 
 class FusedMoE(nn.Module):
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 weights_in_model_dtype: bool, act) -> None:
+                 weights_in_model_dtype: bool, act, triton: bool | None = None) -> None:
         """`weights_in_model_dtype`: the routing weights are cast to the model's dtype before they multiply
-        (the Qwen MoE families) rather than kept in fp32 (Mixtral)."""
+        (the Qwen MoE families) rather than kept in fp32 (Mixtral). `triton`: the grouped matmuls through our
+        Triton kernel (default: on a GPU)."""
         super().__init__()
+        self.triton = triton
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.weights_in_model_dtype, self.act = weights_in_model_dtype, act
         self.inter, self.inter_start, self.full_inter = inter, 0, inter  # this rank's rows of each expert
@@ -66,9 +69,20 @@ class FusedMoE(nn.Module):
         self.expert_tokens += counts
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         tokens = order // self.top_k
-        h = torch._grouped_mm(x[tokens], self.w_gate_up, offs=offsets)
+        h = self._grouped(x[tokens], self.w_gate_up, counts, offsets)
         gate, up = h.split(self.inter, dim=-1)
-        out = torch._grouped_mm(self.act(gate) * up, self.w_down, offs=offsets)
+        out = self._grouped(self.act(gate) * up, self.w_down, counts, offsets)
         out = (out * weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, tokens, out)
         return y if self.group is None else self.group.all_reduce(y)
+
+    def _grouped(self, rows: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor):
+        """rows (sorted by expert, counts[e] each) @ w[e], expert by expert."""
+        if not (rows.is_cuda if self.triton is None else self.triton):
+            return torch._grouped_mm(rows, w, offs=offsets)
+        from pagedllm_kernels.lora_sgmv import sgmv
+
+        starts = (offsets - counts).long()
+        experts = torch.arange(self.num_experts, device=rows.device)
+        out = rows.new_empty(rows.shape[0], w.shape[2])
+        return sgmv(rows, w, out, starts, counts, experts, int(counts.max()), accumulate=False)
