@@ -22,7 +22,7 @@ SIZES = {
     "1b": (2048, 5632, 16, 32, 8, 32000),
 }
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe",
-         "gpt_neox", "stablelm")
+         "gpt_neox", "stablelm", "gemma2")
 SPECIALS = ["<s>", "</s>", "<pad>"]
 
 
@@ -103,6 +103,13 @@ def hf_config(arch: str, size: str, vocab_size: int, num_key_value_heads: int | 
                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                               max_position_embeddings=2048, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                               use_qkv_bias=True, tie_word_embeddings=False)
+    if arch == "gemma2":  # soft-capped attention scores and logits, one sliding-window layer (24) and one global
+        from transformers import Gemma2Config
+
+        return Gemma2Config(**common, head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads,
+                            sliding_window=24, layer_types=["sliding_attention", "full_attention"][:layers] +
+                            ["full_attention"] * max(0, layers - 2), attn_logit_softcapping=3.0,
+                            final_logit_softcapping=5.0, tie_word_embeddings=False)
     if arch == "gemma3":  # one sliding-window layer (window 24, local rope) and one global one
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}

@@ -3,7 +3,8 @@ with and without preemption): `.bin` checkpoints, Llama's mlp_bias, Qwen3 with h
 Mistral's sliding window, Qwen2's use_sliding_window (a window on the layers from max_window_layers on), dynamic
 NTK and LongRoPE rope scaling (within their original context), Phi-3's fused checkpoint projections with a
 sliding window and partial rotary (Phi-4-mini's 0.75), Gemma 3 (its norms, sliding and global layers with their
-own rope, final soft-capping); mlp_bias, Phi-3 and Gemma 3 under tensor parallelism."""
+own rope, final soft-capping), Gemma 2 (soft-capped attention scores and logits), the mixtures of experts
+(Mixtral, Qwen3-MoE, Qwen2-MoE); mlp_bias, Phi-3, Gemma 3, Mixtral and Qwen2-MoE under tensor parallelism."""
 
 import os
 
@@ -29,6 +30,7 @@ VARIANTS = {
         "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
     "phi3": dict(arch="phi3"),
     "gemma3": dict(arch="gemma3"),
+    "gemma2": dict(arch="gemma2"),
     "mixtral": dict(arch="mixtral"),
     "qwen3_moe": dict(arch="qwen3_moe"),
     "qwen2_moe": dict(arch="qwen2_moe"),
@@ -120,6 +122,16 @@ def test_experts_share_the_load_and_are_counted(variant, name):
     assert all(sum(1 for n in c if n) > 4 for c in load.values())  # more than a few of the 8 experts in use
     if name == "qwen3_moe":
         assert list(load) == [0]  # its last layer is dense (mlp_only_layers)
+
+
+def test_softcapped_attention_runs_on_the_torch_backend(variant):
+    """Gemma 2's soft-capped scores: the kernels have no cap, so the selector keeps the torch backend, and an
+    explicit kernel backend falls back to it with the reason."""
+    llm = LLM(variant("gemma2"), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert llm.get_stats().attention_selection["chosen"] == "torch"
+    explicit = LLM(variant("gemma2"), dtype="float32", kv_cache_memory_bytes=8 << 20, attention_backend="cpu")
+    selection = explicit.get_stats().attention_selection
+    assert selection["chosen"] == "torch" and "soft-capping" in selection["reason"]
 
 
 def test_windows_follow_layer_types(variant):

@@ -20,7 +20,10 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens; kv_cache: [2, num_blocks, block_size, KVH, D].
-        Stores k/v at meta.slot_mapping, then returns causal attention over each row's whole context: [T, H, D]."""
+        Stores k/v at meta.slot_mapping, then returns causal attention over each row's whole context: [T, H, D].
+        `softcap`: scores become tanh(score / softcap) * softcap before the softmax (Gemma 2); only the torch
+        backend has it (the selector picks it for such models)."""
         ...

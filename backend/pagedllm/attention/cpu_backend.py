@@ -39,7 +39,10 @@ class CpuAttention:
     def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
         self._layout.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                softcap: float | None = None):
+        if softcap is not None:
+            raise NotImplementedError(f"{self.name}: attention-logit soft-capping is not supported")
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
         key = ("cpu_plan", sliding_window)
         plan = meta.backend_cache.get(key)

@@ -49,6 +49,7 @@ class ProbeShape:
     dtype: torch.dtype
     sliding_window: int | None = None
     device: str = "cpu"
+    softcap: float | None = None  # soft-capped scores: only the torch backend has them
 
 
 @dataclass
@@ -64,6 +65,8 @@ def select_backend(name: str, shape: ProbeShape):
         raise ValueError(f"attention_backend: unknown backend {name!r}; available: auto, {', '.join(BUILDERS)}")
     device_kind = "cuda" if shape.device.startswith("cuda") else "cpu"
     candidates = list(AUTO_CANDIDATES[device_kind]) if name == "auto" else [name]
+    if shape.softcap is not None and name == "auto":
+        candidates = ["torch"]  # the kernels have no soft-capping
     probe = _make_probe(shape)
     torch_ref = TorchAttention()
     reference = _run(torch_ref, probe, shape, _filled_cache(torch_ref, probe, shape))
@@ -154,7 +157,7 @@ def _run(backend, p: dict, s: ProbeShape, cache: torch.Tensor) -> torch.Tensor:
         max_query_len=max(p["q_lens"]), seq_lens_list=p["ctx"], num_decodes=8, block_size=s.block_size,
         backend=backend)
     with torch.inference_mode():
-        return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window)
+        return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window, s.softcap)
 
 
 def _time(backend, p: dict, s: ProbeShape, cache: torch.Tensor, repeats: int = 10) -> float:

@@ -1,5 +1,5 @@
 """Reference attention in plain torch (CPU or GPU): a batched gather + SDPA for decode rows, per-row SDPA
-for prefill rows."""
+for prefill rows; with soft-capped scores (Gemma 2) the same through an explicit softmax (SDPA has no cap)."""
 
 from __future__ import annotations
 
@@ -58,13 +58,15 @@ class TorchAttention:
 
     def __init__(self) -> None:
         self.ws = Workspace()
+        self.softcap: float | None = None  # this forward call's (set per call; layers may differ)
 
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping) -> None:
         store_kv(k, v, kv_cache, slot_mapping)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+        self.softcap = softcap
         store_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -103,8 +105,7 @@ class TorchAttention:
         mask = pos[None, :] < lens
         if window is not None:
             mask &= pos[None, :] > lens - 1 - window
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
+        o = self._attend(q.unsqueeze(2), keys, vals, mask[:, None, None, :], scale)
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, meta, row, scale, window):
@@ -117,7 +118,7 @@ class TorchAttention:
             keys = gather_kv(kv_cache[0], bt[None], self.ws.get("pk", (nb * bs, *k.shape[1:]), k))[0, :ctx]
             vals = gather_kv(kv_cache[1], bt[None], self.ws.get("pv", (nb * bs, *k.shape[1:]), k))[0, :ctx]
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
-        if window is None and ctx == qlen:
+        if window is None and ctx == qlen and self.softcap is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
             qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
@@ -125,5 +126,16 @@ class TorchAttention:
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = self._attend(qt, kt, vt, mask, scale)
         return o.transpose(0, 1)
+
+    def _attend(self, q, k, v, mask, scale):
+        """SDPA over q [..., H, Lq, D], k/v [..., KVH, L, D] with a boolean mask; explicitly when scores are
+        soft-capped (transformers' eager order: scale, cap, mask, fp32 softmax)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / self.softcap) * self.softcap
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        return weights @ v

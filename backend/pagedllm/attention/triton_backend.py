@@ -19,7 +19,10 @@ class TritonAttention:
     def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
         self._kv_store(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                softcap: float | None = None):
+        if softcap is not None:
+            raise NotImplementedError(f"{self.name}: attention-logit soft-capping is not supported")
         self.store_kv(k, v, kv_cache, meta.slot_mapping)
         return self._paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc_t, meta.max_query_len, scale, sliding_window)

@@ -104,7 +104,7 @@ class LLMEngine:
         window = next((layer.self_attn.sliding_window for layer in model.model.layers
                        if layer.self_attn.sliding_window), None)  # and a sliding window, if a layer has one
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype, window,
-                           info.device)
+                           info.device, getattr(attn, "softcap", None))
         self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
         self.executor.init_cache(num_blocks, self.backend)
         return num_blocks

@@ -29,6 +29,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
+        self.softcap: float | None = None  # attention-logit soft-capping (Gemma 2)
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         cos, sin = rope
         fused = fused_for(self.fused_ops, q)
         q, k = apply_rotary(q, cos, sin, fused), apply_rotary(k, cos, sin, fused)
-        o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -22,6 +22,7 @@ _REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -1,12 +1,15 @@
-"""Gemma 3 (text): the Llama attention and MLP with Gemma's own wiring.
+"""Gemma 2 and Gemma 3 (text): the Llama attention and MLP with Gemma's own wiring.
 
-- RMSNorm scales by (1 + weight), in fp32 throughout (GemmaRMSNorm); per-head q/k norms of that kind.
+- RMSNorm scales by (1 + weight), in fp32 throughout (GemmaRMSNorm); Gemma 3 adds per-head q/k norms of
+  that kind.
 - Four norms per layer: before and after attention, before and after the MLP (the residual adds come after the
   post-norms).
 - Embeddings scaled by sqrt(hidden_size), the factor rounded to the model's dtype as transformers does.
-- Sliding-window and full-attention layers as config.layer_types says, each kind with its own rope parameters.
+- Sliding-window and full-attention layers as config.layer_types says; Gemma 3 gives each kind its own rope
+  parameters.
 - Attention scale query_pre_attn_scalar ** -0.5; gelu (tanh) MLP; final logits soft-capped when
-  final_logit_softcapping is set. Attention-logit soft-capping (Gemma 2) is refused: no backend has it.
+  final_logit_softcapping is set; Gemma 2's attention scores soft-capped (attn_logit_softcapping), which only
+  the torch attention backend does (the selector picks it).
 """
 
 from __future__ import annotations
@@ -30,15 +33,17 @@ class GemmaRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: int | None) -> None:
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, sliding_window: int | None, qk_norm: bool) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = Attention(config, qkv_bias=bool(config.attention_bias), qk_norm=False,
                                    sliding_window=sliding_window)
-        self.self_attn.q_norm = GemmaRMSNorm(self.self_attn.head_dim, eps)
-        self.self_attn.k_norm = GemmaRMSNorm(self.self_attn.head_dim, eps)
+        if qk_norm:
+            self.self_attn.q_norm = GemmaRMSNorm(self.self_attn.head_dim, eps)
+            self.self_attn.k_norm = GemmaRMSNorm(self.self_attn.head_dim, eps)
         self.self_attn.scale = config.query_pre_attn_scalar ** -0.5
+        self.self_attn.softcap = getattr(config, "attn_logit_softcapping", None)
         self.mlp = MLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -50,18 +55,19 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config) -> None:
+class GemmaModel(nn.Module):
+    def __init__(self, config, qk_norm: bool, rope_per_layer_type: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size ** 0.5
         self.layer_types = list(config.layer_types)
         window = config.sliding_window
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, window if t == "sliding_attention" else None)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, window if t == "sliding_attention" else None, qk_norm)
                                     for t in self.layer_types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = nn.ModuleDict({t: RotaryEmbedding(config, config.head_dim, config.max_position_embeddings, t)
-                                     for t in sorted(set(self.layer_types))})
+        kinds = sorted(set(self.layer_types))
+        self.rotary = nn.ModuleDict({t: RotaryEmbedding(config, config.head_dim, config.max_position_embeddings,
+                                                        t if rope_per_layer_type else None) for t in kinds})
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
@@ -73,12 +79,12 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    qk_norm_layers, rope_per_layer_type = True, True
+
     def __init__(self, config) -> None:
         nn.Module.__init__(self)
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attn_logit_softcapping is not supported (no attention backend soft-caps scores)")
         self.config = config
-        self.model = Gemma3Model(config)
+        self.model = GemmaModel(config, self.qk_norm_layers, self.rope_per_layer_type)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -89,3 +95,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """No q/k norms, one set of rope parameters, soft-capped attention scores."""
+
+    qk_norm_layers, rope_per_layer_type = False, False
