@@ -231,6 +231,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     attention_backend: str = "auto"
+    # "auto": the native class of a registered architecture, else transformers' class with paged attention (the
+    # fallback); "pagedllm": native classes only; "transformers": always the fallback (vLLM's model_impl)
+    model_impl: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
     # A SpeculativeConfig, or the same as a dict (engine.json, LLM(...)): converted and validated on creation.
     speculative_config: SpeculativeConfig | None = None
@@ -253,6 +256,8 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
+        _require(self.model_impl in ("auto", "pagedllm", "transformers"), "model_impl",
+                 f"must be auto, pagedllm or transformers, got {self.model_impl!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",

@@ -67,3 +67,17 @@ def test_what_the_fallback_cannot_do_is_refused(fallback_dir):
     d = fallback_dir("gpt_neox")
     with pytest.raises(ValueError, match="transformers fallback, which supports neither"):
         LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True)
+
+
+def test_model_impl_chooses_the_fallback_or_refuses_it(model_dir, fallback_dir):
+    """model_impl "transformers" runs a native family through the fallback (same tokens); "pagedllm" refuses an
+    architecture it has no class for."""
+    d = model_dir("qwen2")
+    prompts = random_prompts([20, 45], seed=8)
+    via_hf = LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20, model_impl="transformers")
+    assert getattr(via_hf.engine.executor.model, "is_fallback", False)
+    assert ours(via_hf, prompts, [10, 10]) == hf_greedy(d, prompts, [10, 10])
+    from pagedllm.models.registry import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="GPTNeoXForCausalLM"):
+        LLM(fallback_dir("gpt_neox"), dtype="float32", kv_cache_memory_bytes=8 << 20, model_impl="pagedllm")

@@ -25,6 +25,7 @@ def run(script, *args):
     ("lora.py", ["--quick"], "ratio_median"),
     ("lora.py", ["--deltas"], "speedup"),
     ("moe.py", ["--quick"], "ratio_pagedllm_over_transformers"),
+    ("fallback.py", ["--quick"], "ratio_fallback_over_native"),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

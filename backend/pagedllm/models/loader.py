@@ -35,10 +35,11 @@ def checkpoint_files(model_dir: str) -> tuple[str, list[str]]:
     raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or their .index.json in {model_dir}")
 
 
-def build_model(hf_config, device: str = "cpu") -> torch.nn.Module:
-    """The registered architecture's model, built on `device` with uninitialised weights, in eval mode."""
+def build_model(hf_config, device: str = "cpu", model_impl: str = "auto") -> torch.nn.Module:
+    """The registered architecture's model (or the transformers fallback, per `model_impl`), built on `device`
+    with uninitialised weights, in eval mode."""
     with torch.device(device):
-        return resolve_model_class(hf_config)(hf_config).eval()
+        return resolve_model_class(hf_config, model_impl)(hf_config).eval()
 
 
 def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> None:

@@ -44,16 +44,17 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_model_class(config) -> type:
+def resolve_model_class(config, model_impl: str = "auto") -> type:
+    """`model_impl` (EngineConfig's): "auto", "pagedllm" (no fallback) or "transformers" (always the fallback)."""
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise UnsupportedArchitectureError(
             f"config.json has no 'architectures'; supported: {', '.join(supported_architectures())}")
     _load_entry_points()
     arch = archs[0]
-    if arch in _REGISTRY:
+    if arch in _REGISTRY and model_impl != "transformers":
         return _REGISTRY[arch]
-    if arch.endswith("ForCausalLM") and _transformers_knows(config):
+    if arch.endswith("ForCausalLM") and _transformers_knows(config) and model_impl != "pagedllm":
         from pagedllm.models.transformers_fallback import TransformersForCausalLM
 
         return TransformersForCausalLM

@@ -18,7 +18,8 @@ from pagedllm.engine.model_info import ModelInfo
 def make_executor(config: EngineConfig, info: ModelInfo):
     lora = config.lora
     spec = WorkerSpec(config.model, info.dtype, info.device, config.cache.block_size, config.fused_cpu_ops,
-                      config.amx_linear, lora.max_loras if lora.enable_lora else 0, lora.max_lora_rank)
+                      config.amx_linear, lora.max_loras if lora.enable_lora else 0, lora.max_lora_rank,
+                      config.model_impl)
     if config.tensor_parallel_size == 1:
         from pagedllm.engine.executor.local import LocalExecutor
 

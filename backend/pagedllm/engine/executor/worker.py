@@ -34,12 +34,13 @@ class WorkerSpec:
     amx_linear: bool
     max_loras: int = 0  # LoRA slots (0: LoRA off)
     max_lora_rank: int = 0
+    model_impl: str = "auto"
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
     """The model (or, with a group of several ranks, this rank's shard of it), loaded and ready to run; with
     LoRA slots, `model.lora` is its LoRAModel (None otherwise)."""
-    model = build_model(hf_config, device)
+    model = build_model(hf_config, device, spec.model_impl)
     fallback = getattr(model, "is_fallback", False)
     if fallback and ((group is not None and group.world_size > 1) or spec.max_loras):
         raise ValueError(f"{hf_config.architectures[0]} runs through the transformers fallback, which supports "
