@@ -2,28 +2,19 @@
 like its output (row-parallel deltas join the partial product before the all-reduce), and a batch mixing
 adapters and the base model gives the tokens of transformers on each merged model, fp32."""
 
+import sys
+from pathlib import Path
+
 import pytest
-import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.tiny_model import LORA_TARGETS, make_lora_adapter
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from test_lora_oracle import merged_greedy  # noqa: E402
+
 pytestmark = pytest.mark.slow
-
-
-def merged_greedy(base_dir, lora, prompts, max_tokens):
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if lora is not None:
-        model = PeftModel.from_pretrained(model, lora.lora_path).merge_and_unload()
-    out = []
-    for p, m in zip(prompts, max_tokens):
-        with torch.no_grad():
-            ids = model.eval().generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

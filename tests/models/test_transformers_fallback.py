@@ -10,18 +10,10 @@ from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.tiny_model import make_variant_model
 from test_oracle import hf_greedy, ours
+from test_variants import block_bytes
 
 LENGTHS = [3, 30, 70, 120, 9, 50]
 MAX_TOKENS = [12, 40, 20, 16, 30, 8]
-
-
-def block_bytes(model_dir: str) -> int:
-    """One 16-token KV block, fp32."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * 16 * kv * (cfg.hidden_size // cfg.num_attention_heads) * 4
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,8 @@ def block_bytes(model_dir: str) -> int:
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * head_dim * 4
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-NeoX: no GQA
+    return 2 * cfg.num_hidden_layers * 16 * kv_heads * head_dim * 4
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,15 @@ class LoRAState:
         self.logits: LoRABatch | None = None
 
 
+def _clear_slot(module, slot: int, full: torch.Tensor | None) -> None:
+    """Empty `slot` of a module's stacks and record there the adapter's own full weight (or none)."""
+    module.full.pop(slot, None)
+    if full is not None:
+        module.full[slot] = full.to(module.lora_b.dtype)
+    module.lora_a[slot].zero_()
+    module.lora_b[slot].zero_()
+
+
 class LoRALinear(nn.Module):
     """`slices`: (checkpoint projection, first row in its full tensor, rows) in the order of the base layer's
     output rows; `in_range`: (first column, columns) of the full input this rank holds."""
@@ -158,11 +167,7 @@ class LoRALinear(nn.Module):
                  full: torch.Tensor | None = None) -> None:
         """Slot `slot` takes one (A [r, in], B [out, r]) pair per slice (None: that projection is left out) and,
         for the LM head, the adapter's own full weight if it has one."""
-        self.full.pop(slot, None)
-        if full is not None:
-            self.full[slot] = full.to(self.lora_b.dtype)
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        _clear_slot(self, slot, full)
         col, (first, width), out = 0, self.in_range, 0
         for (_, start, size), pair in zip(self.slices, pairs):
             if pair is not None:
@@ -205,11 +210,7 @@ class LoRAEmbedding(nn.Module):
         self.full: dict[int, torch.Tensor] = {}  # slot -> the adapter's own embedding table
 
     def set_slot(self, slot: int, pair, full: torch.Tensor | None = None) -> None:
-        self.full.pop(slot, None)
-        if full is not None:
-            self.full[slot] = full.to(self.lora_b.dtype)
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        _clear_slot(self, slot, full)
         if pair is None:
             self.loaded.discard(slot)
             return
