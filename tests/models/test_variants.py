@@ -1,7 +1,8 @@
 """Variants inside the four families, and Phi-3, each against transformers on the same weights (fp32, greedy,
 with and without preemption): `.bin` checkpoints, Llama's mlp_bias, Qwen3 with head_dim != hidden / heads,
 Mistral's sliding window, Qwen2's use_sliding_window (a window on the layers from max_window_layers on), dynamic
-NTK and LongRoPE rope scaling (within their original context), Phi-3's fused checkpoint projections with a
+NTK rope past its original context (each token's frequencies follow its rope length, as in transformers'
+generate, across chunked prefill, preemption and the prefix cache), LongRoPE within its original context, Phi-3's fused checkpoint projections with a
 sliding window and partial rotary (Phi-4-mini's 0.75), Gemma 3 (its norms, sliding and global layers with their
 own rope, final soft-capping), Gemma 2 (soft-capped attention scores and logits), the mixtures of experts
 (Mixtral, Qwen3-MoE, Qwen2-MoE); mlp_bias, Phi-3, Gemma 3, Mixtral and Qwen2-MoE under tensor parallelism."""
@@ -11,7 +12,7 @@ import os
 import pytest
 
 from conftest import assert_all_blocks_free, random_prompts
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.tiny_model import make_variant_model
 from test_oracle import hf_greedy, ours
 
@@ -23,10 +24,12 @@ VARIANTS = {
     "qwen3_head_dim": dict(arch="qwen3", head_dim=48),
     "mistral_window": dict(arch="mistral", sliding_window=24),
     "qwen2_window": dict(arch="qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=1),
-    "dynamic_rope": dict(arch="llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                         "factor": 4.0}),
+    # dynamic: the longer prompts and outputs pass the original context (64), where the base grows per token
+    "dynamic_rope": dict(arch="llama", max_position_embeddings=64, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
     "phi3_longrope": dict(arch="phi3", original_max_position_embeddings=256, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256, "partial_rotary_factor": 1.0,
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+        "partial_rotary_factor": 1.0,
         "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
     "phi3": dict(arch="phi3"),
     "gemma3": dict(arch="gemma3"),
@@ -71,7 +74,10 @@ def test_variant_matches_transformers(variant, name, preempt):
         assert os.path.exists(os.path.join(d, "pytorch_model.bin"))
         assert not os.path.exists(os.path.join(d, "model.safetensors"))
     prompts = random_prompts(LENGTHS, seed=len(name))
-    expected = hf_greedy(d, prompts, MAX_TOKENS)
+    if name == "dynamic_rope":  # transformers' dynamic rope remembers the longest length across calls
+        expected = [hf_greedy(d, [p], [m])[0] for p, m in zip(prompts, MAX_TOKENS)]
+    else:
+        expected = hf_greedy(d, prompts, MAX_TOKENS)
     kwargs = dict(kv_cache_memory_bytes=20 * block_bytes(d), max_num_batched_tokens=96) if preempt else {}
     llm = LLM(d, dtype="float32", max_model_len=256, **{"kv_cache_memory_bytes": 16 << 20, **kwargs})
     assert ours(llm, prompts, MAX_TOKENS) == expected
@@ -79,13 +85,39 @@ def test_variant_matches_transformers(variant, name, preempt):
     assert_all_blocks_free(llm)
 
 
-def test_switching_rope_types_stop_at_their_original_context(variant):
-    """longrope (and dynamic) frequencies change per forward pass past the original context in transformers: the
-    engine's context ends there by default, and a longer max_model_len is refused naming why."""
+def test_longrope_stops_at_its_original_context(variant):
+    """Past it transformers switches to the long factors and recomputes the sequence: not reproduced, so the
+    context ends there by default and a longer max_model_len is refused naming why."""
     d = variant("phi3_longrope")
     assert LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.max_model_len == 256
     with pytest.raises(ValueError, match="beyond the original context 256 of rope_type 'longrope'"):
         LLM(d, dtype="float32", max_model_len=512, kv_cache_memory_bytes=8 << 20)
+
+
+def test_dynamic_rope_prefix_cache_keys_long_prompts_by_length(variant):
+    """A long prompt's tokens are rotated for its own length: another prompt sharing its first blocks but of a
+    different length must not reuse them (and gets transformers' tokens); the same prompt again does."""
+    d = variant("dynamic_rope")
+    base = random_prompts([100], seed=9)[0]
+    prompts = [base, base[:90], base]
+    # one transformers model per prompt: its dynamic rope keeps the longest length it has seen across calls
+    expected = [hf_greedy(d, [p], [10])[0] for p in prompts]
+    llm = LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    cached = []
+    for p, want in zip(prompts, expected):
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 0, 96]
+
+
+def test_dynamic_rope_stretches_the_context(variant):
+    """Dynamic NTK: the context is max_position_embeddings times the factor (64 x 4), and no more."""
+    d = variant("dynamic_rope")
+    assert LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.max_model_len == 256
+    with pytest.raises(ValueError, match="times its dynamic rope factor"):
+        LLM(d, dtype="float32", max_model_len=300, kv_cache_memory_bytes=8 << 20)
 
 
 def test_final_logit_softcapping_shapes_the_distribution(variant):

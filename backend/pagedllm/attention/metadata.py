@@ -25,6 +25,8 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     backend: AttentionBackend  # noqa: F821 - set by the runner; layers call meta.backend.forward(...)
+    # [num_tokens] each token's rope length, for rope types whose frequencies depend on it (models/layers/rotary.py)
+    rope_lengths: torch.Tensor | None = None
     # What a backend derives from this metadata once per step and reuses in every layer.
     backend_cache: dict = field(default_factory=dict)
 

@@ -41,6 +41,7 @@ from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
 from pagedllm.models.checkpoint import load_tokenizer
+from pagedllm.models.layers.rotary import original_context, rope_type
 from pagedllm.models.layers.fused import load_fused_ops, load_token_mask
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -56,6 +57,8 @@ class LLMEngine:
         self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template, config.lora)
         self.input_processor.loras.check_declared()  # a broken declared adapter fails the start, naming it
+        # dynamic NTK rope: prompts longer than this are rotated for their own length (models/layers/rotary.py)
+        self.long_prompt_rope = original_context(info.hf_config) if rope_type(info.hf_config) == "dynamic" else None
         self.executor = make_executor(config, info)
         try:
             num_blocks = self._init_cache()
@@ -142,6 +145,11 @@ class LLMEngine:
                           max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room),
                           lora=processed.lora)
             req.lora_weights = processed.lora_weights
+            if self.long_prompt_rope is not None and len(ids) > self.long_prompt_rope:
+                # dynamic NTK: a long prompt's tokens are rotated for its own length; its blocks are its alone
+                req.hash_keys += (("rope_length", len(ids)),)
+                req.block_hashes = []
+                req._update_block_hashes()
             if processed.grammar is not None:
                 req.grammar = RequestGrammar(processed.grammar)
             req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]

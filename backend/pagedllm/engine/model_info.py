@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.models.checkpoint import eos_token_ids, load_config
-from pagedllm.models.layers.rotary import original_context, rope_type
+from pagedllm.models.layers.rotary import max_positions, original_context, rope_type
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +49,19 @@ def _resolve_dtype(name: str, hf_config) -> torch.dtype:
 
 
 def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = hf_config.max_position_embeddings
+    limit = max_positions(hf_config)
     asked = config.max_model_len
     if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len: {asked} exceeds the model's max_position_embeddings {limit}")
-    original = original_context(hf_config)
+        raise ValueError(f"max_model_len: {asked} exceeds the model's context {limit} (max_position_embeddings"
+                         f"{', times its dynamic rope factor' if limit != hf_config.max_position_embeddings else ''})")
+    original = original_context(hf_config) if rope_type(hf_config) == "longrope" else None
     if original is not None and original < (asked or limit):
-        kind = rope_type(hf_config)
         if asked is not None:
             raise ValueError(f"max_model_len: {asked} is beyond the original context {original} of rope_type "
-                             f"{kind!r}, past which transformers switches its frequencies per forward pass (not "
-                             f"supported); at most {original}")
-        logger.info("max_model_len %d: the original context of rope_type %r (its frequencies are fixed up to "
-                    "there), not max_position_embeddings %d", original, kind, limit)
+                             "'longrope', past which transformers switches to the long factors and recomputes the "
+                             f"whole sequence (not supported); at most {original}")
+        logger.info("max_model_len %d: LongRoPE's original context (its short factors are exact up to there), "
+                    "not max_position_embeddings %d", original, limit)
         return original
     return asked or limit
 

@@ -43,6 +43,7 @@ class ModelRunner:
             num_decodes=step.num_decodes,
             block_size=self.block_size,
             backend=self.backend,
+            rope_lengths=self._rope_lengths(step),
         )
         ids, positions = torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev)
         if hasattr(self.model, "forward_with_logits"):  # the transformers fallback: its own forward picks the rows
@@ -52,6 +53,13 @@ class ModelRunner:
             return torch.empty(0)
         # Every rank computes the logits: with a vocabulary-parallel LM head that is a collective.
         return self.model.compute_logits(hidden[torch.tensor(step.logits_indices, device=dev)])
+
+    def _rope_lengths(self, step: StepInputs) -> torch.Tensor | None:
+        """Each token's rope length, max(its prompt's length, position + 1), for a model whose rope needs it."""
+        if not getattr(self.model, "length_dependent_rope", False) or step.row_prompt_lens is None:
+            return None
+        prompts = np.repeat(np.asarray(step.row_prompt_lens, dtype=np.int64), np.diff(step.query_start_loc))
+        return torch.from_numpy(np.maximum(prompts, step.positions + 1)).to(self.device)
 
     def set_lora(self, step: StepInputs) -> None:
         """Load the adapters this step brings into their slots, then give each token and logit row its slot."""

@@ -105,6 +105,8 @@ class Request:
         self.num_accepted_draft_tokens = 0
 
         self.lora = lora  # the adapter it runs with: its id keys every block hash (adapters never share KV)
+        # what else changes its KV beyond the tokens: set before the first block is hashed (engine.add_request)
+        self.hash_keys: tuple = (("lora", lora.lora_int_id),) if lora is not None else ()
         self.lora_weights = None  # its LoRAAdapter, brought by the request (slots are filled from it)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
@@ -174,7 +176,7 @@ class Request:
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block, chained to its parent's hash."""
         bs = self.block_size
-        extra = (("lora", self.lora.lora_int_id),) if self.lora is not None else ()
+        extra = self.hash_keys
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None

@@ -80,6 +80,7 @@ class GemmaModel(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     qk_norm_layers, rope_per_layer_type = True, True
+    length_dependent_rope = False  # its rope types are fixed ones (default, linear)
 
     def __init__(self, config) -> None:
         nn.Module.__init__(self)

@@ -14,7 +14,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.fused import fused_for
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.models.layers.norm import RMSNorm
-from pagedllm.models.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.layers.rotary import RotaryEmbedding, apply_rotary, max_positions
 
 
 class Attention(nn.Module):
@@ -109,11 +109,11 @@ class DecoderModel(nn.Module):
                                     for w, mlp in zip(windows, mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions(config))
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        rope = self.rotary.lookup(positions, x.dtype, meta.rope_lengths)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, cache, meta)
@@ -175,6 +175,11 @@ class LlamaForCausalLM(nn.Module):
         if window is None or not types:
             return [window] * layers
         return [window if t == "sliding_attention" else None for t in types]
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """The rope's frequencies depend on each token's rope length (dynamic NTK, LongRoPE)."""
+        return self.model.rotary.length_dependent
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -6,10 +6,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Types whose frequencies transformers switches per forward pass once a sequence passes the original context
-# (dynamic NTK, LongRoPE's long factors): up to it they are fixed, so a precomputed table is exact there, and
-# the engine's max_model_len stops there (original_context).
+# Types whose frequencies depend on the sequence's length once it passes the original context.
+# - dynamic NTK grows its base. transformers decides per forward pass from its longest position, which in its own
+#   generate() means: a prompt's tokens use the prompt's length, a generated token at position p uses p + 1. The
+#   engine reproduces that per token ("rope length" max(prompt length, p + 1), from the step's rows), so chunked
+#   prefill, batching and recompute after preemption change nothing; the prefix cache keys a long prompt's blocks
+#   by its length (engine.request).
+# - LongRoPE switches to its long factors, and transformers' Phi-3 then recomputes the whole sequence with them
+#   (its generate() drops the cache at the crossing). That is not reproduced: the engine's context stops at the
+#   original one (engine.model_info), where the short factors are exact.
 SWITCHING_TYPES = {"dynamic", "longrope"}
+
+
+def max_positions(config) -> int:
+    """The longest context the model's rope is defined for: max_position_embeddings, times the factor for dynamic
+    NTK (whose point is to stretch it, as vLLM also allows)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if rope_type(config) == "dynamic":
+        return int(config.max_position_embeddings * params.get("factor", 1.0))
+    return config.max_position_embeddings
 
 
 def rope_type(config) -> str:
@@ -22,6 +37,8 @@ def original_context(config) -> int | None:
     if rope_type(config) not in SWITCHING_TYPES:
         return None
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if rope_type(config) == "dynamic":  # transformers measures dynamic NTK from max_position_embeddings
+        return config.max_position_embeddings
     return (params.get("original_max_position_embeddings")
             or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
 
@@ -53,13 +70,46 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         inv_freq, scaling = rope_frequencies(config, head_dim, layer_type)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)  # [max_pos, D/2]
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.config = config
+        self.kind = "dynamic" if layer_type is None and rope_type(config) == "dynamic" else None
+        self.original = original_context(config) if self.kind else None
+        self._tables("", inv_freq, scaling, max_positions)  # cos, sin: [max_pos, D/2]
+        self._dynamic: dict[int, torch.Tensor] = {}  # rope length -> dynamic NTK inverse frequencies
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a step's positions: [T, 1, D/2] each. Done once per step, shared by all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def _tables(self, suffix: str, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+        self.register_buffer("cos" + suffix, freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin" + suffix, freqs.sin() * scaling, persistent=False)
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.kind is not None
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               rope_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's positions: [T, 1, D/2] each. Done once per step, shared by all layers.
+        `rope_lengths` (dynamic NTK): each token's rope length (see SWITCHING_TYPES)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        if self.kind is not None and rope_lengths is not None:
+            beyond = rope_lengths > self.original
+            if bool(beyond.any()):
+                cos, sin = cos.clone(), sin.clone()
+                for length in torch.unique(rope_lengths[beyond]).tolist():
+                    rows = torch.nonzero(rope_lengths == length).flatten()
+                    freqs = positions[rows].float()[:, None] * self._dynamic_freq(int(length))[None, :]
+                    cos[rows], sin[rows] = freqs.cos(), freqs.sin()
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+    def _dynamic_freq(self, length: int) -> torch.Tensor:
+        """transformers' dynamic NTK frequencies for a sequence of `length` (its own computation)."""
+        if length not in self._dynamic:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if len(self._dynamic) > 4096:
+                self._dynamic.clear()
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, None, seq_len=length)
+            self._dynamic[length] = inv_freq.float().to(self.cos.device)
+        return self._dynamic[length]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> torch.Tensor:
