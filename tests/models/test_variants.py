@@ -2,7 +2,8 @@
 with and without preemption): `.bin` checkpoints, Llama's mlp_bias, Qwen3 with head_dim != hidden / heads,
 Mistral's sliding window, Qwen2's use_sliding_window (a window on the layers from max_window_layers on), dynamic
 NTK rope past its original context (each token's frequencies follow its rope length, as in transformers'
-generate, across chunked prefill, preemption and the prefix cache), LongRoPE within its original context, Phi-3's fused checkpoint projections with a
+generate, across chunked prefill, preemption and the prefix cache), LongRoPE past it (a sequence is recomputed
+once with the long factors at the crossing, as transformers' Phi-3 does), Phi-3's fused checkpoint projections with a
 sliding window and partial rotary (Phi-4-mini's 0.75), Gemma 3 (its norms, sliding and global layers with their
 own rope, final soft-capping), Gemma 2 (soft-capped attention scores and logits), the mixtures of experts
 (Mixtral, Qwen3-MoE, Qwen2-MoE); mlp_bias, Phi-3, Gemma 3, Mixtral and Qwen2-MoE under tensor parallelism."""
@@ -27,8 +28,9 @@ VARIANTS = {
     # dynamic: the longer prompts and outputs pass the original context (64), where the base grows per token
     "dynamic_rope": dict(arch="llama", max_position_embeddings=64, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
-    "phi3_longrope": dict(arch="phi3", original_max_position_embeddings=256, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+    # LongRoPE: sequences passing the original context (64) switch to the long factors and are recomputed
+    "phi3_longrope": dict(arch="phi3", original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "partial_rotary_factor": 1.0,
         "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [2.0 + 0.3 * i for i in range(16)]}),
     "phi3": dict(arch="phi3"),
@@ -85,13 +87,22 @@ def test_variant_matches_transformers(variant, name, preempt):
     assert_all_blocks_free(llm)
 
 
-def test_longrope_stops_at_its_original_context(variant):
-    """Past it transformers switches to the long factors and recomputes the sequence: not reproduced, so the
-    context ends there by default and a longer max_model_len is refused naming why."""
+def test_longrope_recomputes_at_the_crossing_and_keeps_its_blocks_apart(variant):
+    """A sequence that passes the original context is recomputed once with the long factors (transformers' Phi-3
+    generate does the same); a long prompt's blocks never serve a short one's, nor the other way round."""
     d = variant("phi3_longrope")
-    assert LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.max_model_len == 256
-    with pytest.raises(ValueError, match="beyond the original context 256 of rope_type 'longrope'"):
-        LLM(d, dtype="float32", max_model_len=512, kv_cache_memory_bytes=8 << 20)
+    short, long_ = random_prompts([40], seed=10)[0], None
+    long_ = short + random_prompts([40], seed=11)[0][1:]  # shares the short prompt's first blocks
+    expected = [hf_greedy(d, [p], [m])[0] for p, m in ((short, 10), (long_, 10), (short, 40))]
+    llm = LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    got, cached = [], []
+    for p, m in ((short, 10), (long_, 10), (short, 40)):
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
+                           use_tqdm=False)[0]
+        got.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+    assert got == expected
+    assert cached == [0, 0, 32]  # the long prompt reused nothing of the short one; the short one its own blocks
 
 
 def test_dynamic_rope_prefix_cache_keys_long_prompts_by_length(variant):

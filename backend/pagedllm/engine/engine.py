@@ -100,6 +100,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         lora = self.config.lora
         self.scheduler = Scheduler(sc, self.kv, info.max_model_len, lora.max_loras if lora.enable_lora else 0)
+        if rope_type(info.hf_config) == "longrope":
+            self.scheduler.long_rope_after = original_context(info.hf_config)
         running = self.scheduler.running
         self.lora_slots = LoRASlots(lora.max_loras, lambda: {r.lora.lora_int_id for r in running if r.lora}) \
             if lora.enable_lora else None
@@ -147,9 +149,10 @@ class LLMEngine:
             req.lora_weights = processed.lora_weights
             if self.long_prompt_rope is not None and len(ids) > self.long_prompt_rope:
                 # dynamic NTK: a long prompt's tokens are rotated for its own length; its blocks are its alone
-                req.hash_keys += (("rope_length", len(ids)),)
-                req.block_hashes = []
-                req._update_block_hashes()
+                req.add_hash_key(("rope_length", len(ids)))
+            if self.scheduler.long_rope_after is not None and len(ids) > self.scheduler.long_rope_after:
+                req.long_rope = True  # LongRoPE: past the original context from the start
+                req.add_hash_key(("rope", "long"))
             if processed.grammar is not None:
                 req.grammar = RequestGrammar(processed.grammar)
             req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]

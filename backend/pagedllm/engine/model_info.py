@@ -3,16 +3,13 @@ dtype, device, context length, EOS ids, vocabulary size."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.models.checkpoint import eos_token_ids, load_config
-from pagedllm.models.layers.rotary import max_positions, original_context, rope_type
-
-logger = logging.getLogger(__name__)
+from pagedllm.models.layers.rotary import max_positions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,14 +51,5 @@ def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len: {asked} exceeds the model's context {limit} (max_position_embeddings"
                          f"{', times its dynamic rope factor' if limit != hf_config.max_position_embeddings else ''})")
-    original = original_context(hf_config) if rope_type(hf_config) == "longrope" else None
-    if original is not None and original < (asked or limit):
-        if asked is not None:
-            raise ValueError(f"max_model_len: {asked} is beyond the original context {original} of rope_type "
-                             "'longrope', past which transformers switches to the long factors and recomputes the "
-                             f"whole sequence (not supported); at most {original}")
-        logger.info("max_model_len %d: LongRoPE's original context (its short factors are exact up to there), "
-                    "not max_position_embeddings %d", original, limit)
-        return original
     return asked or limit
 

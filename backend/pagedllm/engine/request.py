@@ -107,6 +107,7 @@ class Request:
         self.lora = lora  # the adapter it runs with: its id keys every block hash (adapters never share KV)
         # what else changes its KV beyond the tokens: set before the first block is hashed (engine.add_request)
         self.hash_keys: tuple = (("lora", lora.lora_int_id),) if lora is not None else ()
+        self.long_rope = False  # LongRoPE: its KV is computed with the long factors (engine.scheduler)
         self.lora_weights = None  # its LoRAAdapter, brought by the request (slots are filled from it)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
@@ -172,6 +173,12 @@ class Request:
         if drop > 0:
             del self.output_token_ids[-drop:]
             del self.all_token_ids[-drop:]
+
+    def add_hash_key(self, key) -> None:
+        """Something more that its KV depends on: every block hash is recomputed with it."""
+        self.hash_keys += (key,)
+        self.block_hashes = []
+        self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block, chained to its parent's hash."""

@@ -55,6 +55,8 @@ class Scheduler:
                  max_loras: int = 0) -> None:
         self.config = config
         self.max_loras = max_loras  # distinct adapters among running requests, at most (0: LoRA off)
+        # LongRoPE: a sequence longer than this is recomputed once with the long factors (models/layers/rotary.py)
+        self.long_rope_after: int | None = None
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.scheduling_policy)
@@ -128,6 +130,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
+                self._recompute_with_long_rope(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n == 0:
                 continue  # a beam whose candidates are in, waiting for its group to choose (engine.beam_search)
@@ -155,6 +159,9 @@ class Scheduler:
         no_slot: list[Request] = []  # passed over: their adapter has no slot while the running ones hold them
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
+            if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
+                req.long_rope = True  # preempted past the crossing: recomputed with the long factors anyway
+                req.add_hash_key(("rope", "long"))
             if req.lora is not None and req.lora.lora_int_id not in loras and len(loras) >= self.max_loras:
                 holders = self._adapter_outranked_by(req)
                 if holders is None:
@@ -192,6 +199,14 @@ class Scheduler:
         for req in reversed(no_slot):  # back in their places, ahead of everything that arrived after them
             self.waiting.add_front(req)
         return out
+
+    def _recompute_with_long_rope(self, req: Request) -> None:
+        """The sequence has passed LongRoPE's original context: its short-factor KV goes, and it is computed again
+        with the long factors (as transformers' Phi-3 generate does), under block hashes of its own."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.long_rope = True
+        req.add_hash_key(("rope", "long"))
 
     def _admit(self, req: Request, num_hit_tokens: int, now: float) -> None:
         self.waiting.pop()

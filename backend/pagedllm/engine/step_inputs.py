@@ -35,7 +35,7 @@ class StepInputs:
     # adapters to put in their slots first, (slot, adapter id, its LoRAAdapter: the weights travel to every rank)
     row_lora_slots: list[int] | None = None
     lora_loads: list[tuple[int, int, object]] = field(default_factory=list)
-    row_prompt_lens: list[int] | None = None  # each row's prompt length, in layout order (rope lengths)
+    row_prompt_lens: list[int] | None = None  # each row's rope-length floor, in layout order (rope lengths)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class StepRow:
     block_ids: list[int]  # the sequence's blocks, covering start + len(token_ids) tokens
     num_logits: int  # logit rows wanted, for the row's last tokens: 0, 1 (it samples), or 1 + k drafts
     lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
-    prompt_len: int = 0  # its sequence's prompt length (0: not known)
+    prompt_len: int = 0  # its tokens' rope-length floor: the prompt's length (LongRoPE's long regime: the sequence's)
 
 
 def build_step_inputs(rows: list[StepRow], block_size: int) -> tuple[StepInputs, list[int]]:
@@ -118,7 +118,8 @@ def prepare_step(out: SchedulerOutput, kv: KVCacheManager, block_size: int,
         prompt_counts.append(prompt)
         rows.append(StepRow(known + s.spec_tokens if s.spec_tokens else known, begin,
                             kv.block_ids(req.request_id), prompt + sampling,
-                            lora_slots.slot(req.lora) if lora_slots is not None else -1, req.num_prompt_tokens))
+                            lora_slots.slot(req.lora) if lora_slots is not None else -1,
+                            req.num_tokens if req.long_rope else req.num_prompt_tokens))
     step, order = build_step_inputs(rows, block_size)
     step.block_copies = kv.take_block_copies()
     step.lora_loads = loads

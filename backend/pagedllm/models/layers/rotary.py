@@ -12,9 +12,11 @@ from torch import nn
 #   engine reproduces that per token ("rope length" max(prompt length, p + 1), from the step's rows), so chunked
 #   prefill, batching and recompute after preemption change nothing; the prefix cache keys a long prompt's blocks
 #   by its length (engine.request).
-# - LongRoPE switches to its long factors, and transformers' Phi-3 then recomputes the whole sequence with them
-#   (its generate() drops the cache at the crossing). That is not reproduced: the engine's context stops at the
-#   original one (engine.model_info), where the short factors are exact.
+# - LongRoPE switches to its long factors once the sequence passes the original context, and transformers' Phi-3
+#   then recomputes the whole sequence with them (its generate() drops the cache at the crossing). The engine does
+#   the same: a sequence that passes it is recomputed once (engine.scheduler), and from then on every token of it
+#   has a rope length past the original context (its row carries the sequence's length); its blocks are hashed
+#   apart from short-factor ones.
 SWITCHING_TYPES = {"dynamic", "longrope"}
 
 
@@ -71,9 +73,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scaling = rope_frequencies(config, head_dim, layer_type)
         self.config = config
-        self.kind = "dynamic" if layer_type is None and rope_type(config) == "dynamic" else None
+        self.kind = rope_type(config) if layer_type is None and rope_type(config) in SWITCHING_TYPES else None
         self.original = original_context(config) if self.kind else None
         self._tables("", inv_freq, scaling, max_positions)  # cos, sin: [max_pos, D/2]
+        if self.kind == "longrope":  # the long factors, for tokens whose rope length passes the original context
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            long_freq, long_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=self.original + 1)
+            self._tables("_long", long_freq.float(), float(long_scaling), max_positions)
         self._dynamic: dict[int, torch.Tensor] = {}  # rope length -> dynamic NTK inverse frequencies
 
     def _tables(self, suffix: str, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
@@ -88,11 +95,15 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
                rope_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a step's positions: [T, 1, D/2] each. Done once per step, shared by all layers.
-        `rope_lengths` (dynamic NTK): each token's rope length (see SWITCHING_TYPES)."""
+        `rope_lengths` (the switching types): each token's rope length (see SWITCHING_TYPES)."""
         cos, sin = self.cos[positions], self.sin[positions]
         if self.kind is not None and rope_lengths is not None:
             beyond = rope_lengths > self.original
-            if bool(beyond.any()):
+            if self.kind == "longrope":
+                if bool(beyond.any()):
+                    cos = torch.where(beyond[:, None], self.cos_long[positions], cos)
+                    sin = torch.where(beyond[:, None], self.sin_long[positions], sin)
+            elif bool(beyond.any()):
                 cos, sin = cos.clone(), sin.clone()
                 for length in torch.unique(rope_lengths[beyond]).tolist():
                     rows = torch.nonzero(rope_lengths == length).flatten()
