@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.tiny_model import LORA_TARGETS, make_lora_adapter
+from test_oracle import hf_greedy
 
 LENGTHS = [3, 17, 40, 100]
 MAX_TOKENS = [12, 9, 16, 7]
@@ -36,16 +37,11 @@ def adapters(model_dir, tmp_path_factory):
 
 
 def merged_greedy(base_dir, lora, prompts, max_tokens):
+    """transformers' greedy tokens on the base model with `lora` merged by PEFT (None: the base model)."""
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if lora is not None:
         model = PeftModel.from_pretrained(model, lora.lora_path).merge_and_unload()
-    model.eval()
-    out = []
-    for p, m in zip(prompts, max_tokens):
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return hf_greedy(model, prompts, max_tokens)
 
 
 def ours(llm, prompts, max_tokens, loras):

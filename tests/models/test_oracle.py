@@ -12,7 +12,9 @@ MAX_TOKENS = [20, 5, 33, 16, 8, 24, 40, 3, 12]
 
 
 def hf_greedy(model_dir, prompts, max_tokens, ignore_eos=True):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' greedy tokens; `model_dir` may also be a loaded model (e.g. with an adapter merged)."""
+    hf = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if isinstance(model_dir, str)
+          else model_dir).eval()
     out = []
     for p, m in zip(prompts, max_tokens):
         kwargs = {"min_new_tokens": m} if ignore_eos else {}

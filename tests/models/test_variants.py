@@ -11,6 +11,7 @@ own rope, final soft-capping), Gemma 2 (soft-capped attention scores and logits)
 import os
 
 import pytest
+import torch
 
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
@@ -50,10 +51,12 @@ def block_bytes(model_dir: str) -> int:
     """One 16-token KV block of the model, fp32."""
     from transformers import AutoConfig
 
+    from pagedllm.engine.kv_sizing import KVGeometry
+
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # GPT-NeoX: no GQA
-    return 2 * cfg.num_hidden_layers * 16 * kv_heads * head_dim * 4
+    return KVGeometry(cfg.num_hidden_layers, kv_heads, head_dim).bytes_per_block(16, torch.float32)
 
 
 @pytest.fixture(scope="module")

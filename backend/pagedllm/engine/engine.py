@@ -28,7 +28,7 @@ from pagedllm.engine.model_info import ModelInfo
 from pagedllm.engine.observations import ITERATION_TOKENS, ITL, TTFT, Observations
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.prompt_logprobs import record_prompt_logprobs
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request import LONG_ROPE, Request, RequestStatus
 from pagedllm.engine.request_groups import RequestGroups
 from pagedllm.engine.sampler import SampledToken, Sampler
 from pagedllm.engine.scheduler import ScheduledRequest, Scheduler
@@ -145,14 +145,8 @@ class LLMEngine:
                           prompt=processed.prompt, priority=processed.priority, arrival_time=now,
                           deadline=None if processed.timeout is None else now + processed.timeout,
                           max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room),
-                          lora=processed.lora)
+                          lora=processed.lora, hash_keys=self._rope_hash_keys(len(ids)))
             req.lora_weights = processed.lora_weights
-            if self.long_prompt_rope is not None and len(ids) > self.long_prompt_rope:
-                # dynamic NTK: a long prompt's tokens are rotated for its own length; its blocks are its alone
-                req.add_hash_key(("rope_length", len(ids)))
-            if self.scheduler.long_rope_after is not None and len(ids) > self.scheduler.long_rope_after:
-                req.long_rope = True  # LongRoPE: past the original context from the start
-                req.add_hash_key(("rope", "long"))
             if processed.grammar is not None:
                 req.grammar = RequestGrammar(processed.grammar)
             req.bad_words_token_ids = [list(w) for w in processed.bad_words_token_ids]
@@ -165,6 +159,16 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.output_processor.add_request(req)
         return request_id
+
+    def _rope_hash_keys(self, prompt_len: int) -> tuple:
+        """What a prompt's rope regime adds to its block hashes: dynamic NTK rotates a long prompt's tokens for its
+        own length (its blocks are its alone); LongRoPE starts a prompt past the original context in the long
+        factors."""
+        if self.long_prompt_rope is not None and prompt_len > self.long_prompt_rope:
+            return (("rope_length", prompt_len),)
+        if self.scheduler.long_rope_after is not None and prompt_len > self.scheduler.long_rope_after:
+            return (LONG_ROPE,)
+        return ()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples or beams); its final output, or None if it is not live."""

@@ -22,7 +22,8 @@ class LoRARegistry:
     def __init__(self, config: LoRAConfig, hf_config) -> None:
         self.config, self.hf_config = config, hf_config
         self.by_name = {name: LoRARequest(name, lora_id, path) for name, path, lora_id in config.lora_modules}
-        self.known = {r.lora_int_id: r for r in self.by_name.values()}  # id -> the adapter it names, for good
+        self.by_id = {r.lora_int_id: r for r in self.by_name.values()}  # the declared ones (lora_task_id)
+        self.known = dict(self.by_id)  # id -> the adapter it names, declared or brought, for good
         self.cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host copies, least recently used first
         self.lock = threading.Lock()
 
@@ -44,10 +45,10 @@ class LoRARegistry:
             if request is None:
                 raise ValueError(f"lora_name: unknown adapter {lora!r} (known: {', '.join(self.names()) or 'none'})")
         elif isinstance(lora, int) and not isinstance(lora, bool):
-            request = self.known.get(lora) if lora in {r.lora_int_id for r in self.by_name.values()} else None
+            request = self.by_id.get(lora)
             if request is None:
                 raise ValueError(f"lora_task_id: unknown adapter id {lora} (known: "
-                                 f"{', '.join(str(r.lora_int_id) for r in self.by_name.values()) or 'none'})")
+                                 f"{', '.join(str(i) for i in sorted(self.by_id)) or 'none'})")
         else:
             raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora).__name__}")
         return request, self.load(request)

@@ -55,6 +55,9 @@ _TRANSITIONS = {
 }
 
 
+LONG_ROPE = ("rope", "long")  # the block-hash key of a LongRoPE sequence in its long factors
+
+
 class InvalidTransition(RuntimeError):
     pass
 
@@ -73,7 +76,9 @@ class Request:
         deadline: float | None = None,
         max_tokens: int | None = None,
         lora: LoRARequest | None = None,
+        hash_keys: tuple = (),
     ) -> None:
+        """`hash_keys`: what its KV depends on beyond the tokens and the adapter (rope regimes, engine.add_request)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -105,9 +110,8 @@ class Request:
         self.num_accepted_draft_tokens = 0
 
         self.lora = lora  # the adapter it runs with: its id keys every block hash (adapters never share KV)
-        # what else changes its KV beyond the tokens: set before the first block is hashed (engine.add_request)
-        self.hash_keys: tuple = (("lora", lora.lora_int_id),) if lora is not None else ()
-        self.long_rope = False  # LongRoPE: its KV is computed with the long factors (engine.scheduler)
+        # what else changes its KV beyond the tokens, in every block hash
+        self.hash_keys: tuple = ((("lora", lora.lora_int_id),) if lora is not None else ()) + tuple(hash_keys)
         self.lora_weights = None  # its LoRAAdapter, brought by the request (slots are filled from it)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
@@ -173,6 +177,11 @@ class Request:
         if drop > 0:
             del self.output_token_ids[-drop:]
             del self.all_token_ids[-drop:]
+
+    @property
+    def long_rope(self) -> bool:
+        """LongRoPE: its KV is computed with the long factors (engine.scheduler)."""
+        return LONG_ROPE in self.hash_keys
 
     def add_hash_key(self, key) -> None:
         """Something more that its KV depends on: every block hash is recomputed with it."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.request import LONG_ROPE, Request, RequestStatus
 from pagedllm.engine.request_queue import make_queue
 
 
@@ -160,8 +160,7 @@ class Scheduler:
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
-                req.long_rope = True  # preempted past the crossing: recomputed with the long factors anyway
-                req.add_hash_key(("rope", "long"))
+                req.add_hash_key(LONG_ROPE)  # preempted past the crossing: recomputed with the long factors anyway
             if req.lora is not None and req.lora.lora_int_id not in loras and len(loras) >= self.max_loras:
                 holders = self._adapter_outranked_by(req)
                 if holders is None:
@@ -205,8 +204,7 @@ class Scheduler:
         with the long factors (as transformers' Phi-3 generate does), under block hashes of its own."""
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.long_rope = True
-        req.add_hash_key(("rope", "long"))
+        req.add_hash_key(LONG_ROPE)
 
     def _admit(self, req: Request, num_hit_tokens: int, now: float) -> None:
         self.waiting.pop()

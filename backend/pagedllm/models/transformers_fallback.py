@@ -55,8 +55,9 @@ def register_attention() -> None:
 
 
 class TransformersForCausalLM(nn.Module):
-    """Built from the config (weights left empty until `load_pretrained`); exposes what the engine reads of a
-    model: `model.layers[i].self_attn` (heads, KV heads, head_dim, window) and `config`."""
+    """Built from the config alone; transformers' model is made once, by `load_pretrained` from the checkpoint.
+    Exposes what the engine reads of a model: `model.layers[i].self_attn` (heads, KV heads, head_dim, window)
+    and `config`."""
 
     is_fallback = True
     packed_modules: dict = {}
@@ -68,7 +69,8 @@ class TransformersForCausalLM(nn.Module):
         register_attention()
         self.config = config
         self.hf_class = getattr(transformers, config.architectures[0])
-        self.hf = self.hf_class._from_config(config, attn_implementation=ATTENTION)
+        self.device = torch.get_default_device()  # build_model's torch.device context: where to load
+        self.hf: nn.Module | None = None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         windows = self._windows(config)
@@ -92,9 +94,8 @@ class TransformersForCausalLM(nn.Module):
 
     def load_pretrained(self, model_dir: str, dtype: torch.dtype) -> None:
         """transformers' own loading (its checkpoint conversions included)."""
-        device = next(self.hf.parameters()).device
         self.hf = self.hf_class.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTENTION)
-        self.hf.to(device).eval()
+        self.hf.to(self.device).eval()
 
     def forward_with_logits(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         _step.kv_caches, _step.meta = kv_caches, meta
