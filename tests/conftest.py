@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
 
 import torch
@@ -11,6 +12,8 @@ import torch
 # Without a GPU, Triton kernels run under Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# GGUF metadata conversions of the session's throwaway files go to a throwaway cache (servers inherit this).
+os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))
 
 import pytest
 

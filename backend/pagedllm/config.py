@@ -11,8 +11,6 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-GiB = 1 << 30
-
 
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
@@ -31,14 +29,22 @@ def _env_default(name: str) -> bool:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Bytes for K and V of all layers. The number of blocks is derived from it (see kv_cache_manager).
-    kv_cache_memory_bytes: int = 1 * GiB
+    # Bytes for K and V of all layers, from which the number of blocks is derived. Unset: on a GPU a fraction
+    # of the device (gpu_memory_utilization, default 0.9), on CPU 1 GiB (engine/kv_budget.py). The engine's
+    # config holds the resolved figure once it has started.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size}")
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        _require(self.kv_cache_memory_bytes is None or (_int(self.kv_cache_memory_bytes)
+                                                        and self.kv_cache_memory_bytes > 0),
+                 "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        u = self.gpu_memory_utilization
+        _require(u is None or (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1),
+                 "gpu_memory_utilization", f"must be a fraction in (0, 1], got {u!r}")
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,42 @@ def test_config_and_tokenizer_come_from_the_metadata(tmp_path, tiny_llama):
     assert load_config(str(tmp_path)).num_hidden_layers == cfg.num_hidden_layers
 
 
+def test_metadata_is_converted_once_then_read_from_the_cache(tmp_path, tiny_llama, monkeypatch):
+    """The second load of a file reads the converted directory (no GGUF parse); the same tokenizer and config
+    come back; an edited file (new mtime) converts afresh; an unwritable cache still loads."""
+    from pagedllm.models import gguf_metadata
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_metadata._converted_dir.cache_clear()
+    path = write_gguf(str(tmp_path / "m.gguf"), tiny_llama)
+    first_cfg, first_tok = load_config(path), load_tokenizer(path)
+    (converted,) = (tmp_path / "cache" / "gguf").iterdir()
+    assert (converted / "config.json").exists() and (converted / "tokenizer.json").exists()
+
+    gguf_metadata._converted_dir.cache_clear()  # as a new process would start
+
+    def no_parse(_path):
+        raise AssertionError("the GGUF metadata was parsed again")
+
+    monkeypatch.setattr(gguf_metadata, "_convert", no_parse)
+    cfg, tok = load_config(path), load_tokenizer(path)
+    assert cfg.to_dict() == first_cfg.to_dict() and cfg.architectures == ["LlamaForCausalLM"]
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
+    assert tok.encode(text) == first_tok.encode(text) and tok.chat_template == first_tok.chat_template == CHATML
+
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    os.utime(path, ns=(1, 1))  # the file changed: its old conversion is not reused
+    assert load_config(path).num_hidden_layers == first_cfg.num_hidden_layers
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(blocker))
+    gguf_metadata._converted_dir.cache_clear()
+    assert load_tokenizer(path).encode(text) == first_tok.encode(text)
+
+
 def _hf_greedy(path, prompts, max_tokens, ignore_eos=True):
     """transformers' greedy tokens on the same file; with ignore_eos, EOS is never chosen (min_new_tokens), so
     compare with prompts whose continuations do not reach EOS, or with ignore_eos=False (both stop at EOS).

@@ -11,6 +11,7 @@ the message; its blocks go back and the step goes on for the others. Only a fail
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.executor import make_executor
 from pagedllm.engine.faults import FaultInjector
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedllm.engine.kv_budget import kv_budget_bytes
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.kv_sizing import KVGeometry, check_room_for_one_request
 from pagedllm.engine.model_info import ModelInfo
@@ -37,6 +39,7 @@ from pagedllm.engine.spec_decode.stats import SpecDecodeStats
 from pagedllm.engine.spec_decode.verifier import verify
 from pagedllm.engine.structured_output.request_grammar import GrammarMasks, RequestGrammar
 from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.engine.startup import StartupPhases
 from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
@@ -53,16 +56,24 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
-        self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
+        self.startup = startup = StartupPhases()
+        with startup.phase("tokenizer and config"):
+            self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+            self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template, config.lora)
         self.input_processor.loras.check_declared()  # a broken declared adapter fails the start, naming it
         # dynamic NTK rope: prompts longer than this are rotated for their own length (models/layers/rotary.py)
         self.long_prompt_rope = original_context(info.hf_config) if rope_type(info.hf_config) == "dynamic" else None
-        self.executor = make_executor(config, info)
+        with startup.phase("weights", f"{config.model}, {info.dtype} on {info.device}, tensor parallel "
+                                      f"{config.tensor_parallel_size}"):
+            self.executor = make_executor(config, info)
         try:
             num_blocks = self._init_cache()
-            self.proposer = make_proposer(config, info)
+            if config.speculative_config is None:
+                self.proposer = None
+            else:
+                with startup.phase(f"{config.speculative_config.method} proposer"):
+                    self.proposer = make_proposer(self.config, info)  # with the resolved KV budget
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
@@ -81,9 +92,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.stat_logger = StatLogger(config.log_stats_interval_s) if config.log_stats else None
         self.faults = FaultInjector(config.fault_injection) if config.fault_injection is not None else None
-        logger.info("engine ready: %s, %s on %s, tensor parallel %d, %d KV blocks of %d tokens, max_model_len "
-                    "%d", info.architecture, info.dtype, info.device, config.tensor_parallel_size, num_blocks - 1,
-                    config.cache.block_size, info.max_model_len)
+        logger.info("engine ready in %s: %s, %s on %s, tensor parallel %d, %d KV blocks of %d tokens, "
+                    "max_model_len %d", startup.summary(), info.architecture, info.dtype, info.device,
+                    config.tensor_parallel_size, num_blocks - 1, config.cache.block_size, info.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -92,9 +103,18 @@ class LLMEngine:
     def _init_cache(self) -> int:
         """Size the KV cache from the budget, pick the attention backend, and set up every rank's runner."""
         cc, sc, info = self.config.cache, self.config.scheduler, self.model_info
+        budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype, sc.max_num_batched_tokens,
+                                 sc.max_num_seqs, self.config.tensor_parallel_size)
+        spec = self.config.speculative_config
+        if cc.kv_cache_memory_bytes is None and spec is not None and spec.method == "draft_model" \
+                and spec.kv_cache_memory_bytes is None:
+            budget -= budget // 5  # the draft's KV (a quarter of the target's) comes out of the same fraction
+        # from here on the config states the budget in bytes (the draft model's KV is sized from it)
+        cc = dataclasses.replace(cc, kv_cache_memory_bytes=budget, gpu_memory_utilization=None)
+        self.config = dataclasses.replace(self.config, cache=cc)
         model = self.executor.model  # rank 0's shard: its KV heads are what one rank's budget holds
-        num_blocks = KVGeometry.of(model).num_blocks(cc.kv_cache_memory_bytes, cc.block_size, info.dtype)
-        check_room_for_one_request(num_blocks, cc.kv_cache_memory_bytes, cc.block_size, info.max_model_len)
+        num_blocks = KVGeometry.of(model).num_blocks(budget, cc.block_size, info.dtype)
+        check_room_for_one_request(num_blocks, budget, cc.block_size, info.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < info.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
@@ -110,8 +130,10 @@ class LLMEngine:
                        if layer.self_attn.sliding_window), None)  # and a sliding window, if a layer has one
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype, window,
                            info.device, getattr(attn, "softcap", None))
-        self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
-        self.executor.init_cache(num_blocks, self.backend)
+        with self.startup.phase("attention backend selection"):
+            self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
+        with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens"):
+            self.executor.init_cache(num_blocks, self.backend)
         return num_blocks
 
     # --- requests -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ class ModelInfo:
     def resolve(cls, config: EngineConfig, tokenizer) -> ModelInfo:
         hf = load_config(config.model)
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(hf, _resolve_dtype(config.dtype, hf), device, _resolve_max_model_len(config, hf),
+        return cls(hf, _resolve_dtype(config.dtype, hf, device), device, _resolve_max_model_len(config, hf),
                    frozenset(eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size)
 
     @property
@@ -35,14 +35,16 @@ class ModelInfo:
         return self.hf_config.architectures[0]
 
 
-def _resolve_dtype(name: str, hf_config) -> torch.dtype:
+def _resolve_dtype(name: str, hf_config, device: str) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = _DTYPES.get(dt, torch.float32)
-    # float16 on CPU is slow and overflow-prone: auto picks bfloat16 there instead.
-    return torch.bfloat16 if dt == torch.float16 else (dt or torch.float32)
+    # float16 on CPU is slow and overflow-prone: auto picks bfloat16 there instead (a GPU keeps float16).
+    if dt == torch.float16 and not device.startswith("cuda"):
+        return torch.bfloat16
+    return dt or torch.float32
 
 
 def _resolve_max_model_len(config: EngineConfig, hf_config) -> int:

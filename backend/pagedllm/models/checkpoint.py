@@ -1,17 +1,16 @@
 """Where a model's config, tokenizer and end-of-sequence ids come from, for both checkpoint kinds: an HF directory
-(config.json, safetensors, tokenizer files) or a llama.cpp `.gguf` file (everything in its metadata, read through
-transformers' GGUF support). Every part of pagedllm that opens a checkpoint goes through here."""
+(config.json, safetensors, tokenizer files) or a llama.cpp `.gguf` file (everything in its metadata, converted
+by transformers' GGUF support once per machine into an HF directory: pagedllm.models.gguf_metadata). Every part
+of pagedllm that opens a checkpoint goes through here."""
 
 from __future__ import annotations
 
-import copy
-import functools
 import os
 
-import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from pagedllm.models.gguf_checkpoint import ARCHITECTURES, gguf_location, metadata_overrides
+from pagedllm.models.gguf_checkpoint import gguf_location
+from pagedllm.models.gguf_metadata import converted_dir
 
 
 def gguf_file(model: str) -> str | None:
@@ -22,16 +21,7 @@ def gguf_file(model: str) -> str | None:
 
 def load_config(model: str):
     where = gguf_location(model)
-    if where is None:
-        return AutoConfig.from_pretrained(model)
-    arch, overrides = metadata_overrides(os.path.join(*where))  # refuses an architecture we cannot build
-    hf = AutoConfig.from_pretrained(where[0], gguf_file=where[1])
-    for key, value in overrides.items():
-        setattr(hf, key, value)
-    hf.architectures = [ARCHITECTURES[arch]]
-    # GGUF weights are dequantized at load; with dtype "auto" they load as bfloat16 (the file names no dtype).
-    hf.dtype = torch.bfloat16
-    return hf
+    return AutoConfig.from_pretrained(converted_dir(os.path.join(*where)) if where else model)
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):
@@ -39,15 +29,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     template included). Each call returns a tokenizer of its own (callers use theirs on their own thread)."""
     source = tokenizer or model
     where = gguf_location(source)
-    if where is None:
-        return AutoTokenizer.from_pretrained(source)
-    # Building one from GGUF metadata takes seconds (the vocabulary is parsed in Python); copying is quick.
-    return copy.deepcopy(_gguf_tokenizer(*where, os.path.getmtime(os.path.join(*where))))
-
-
-@functools.lru_cache(maxsize=4)
-def _gguf_tokenizer(directory: str, name: str, mtime: float):
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return AutoTokenizer.from_pretrained(converted_dir(os.path.join(*where)) if where else source)
 
 
 def eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:

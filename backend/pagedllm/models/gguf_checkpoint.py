@@ -4,7 +4,7 @@ and renamed to the HF names our models load, with the Q/K row order llama.cpp's 
 Supported: the llama family as llama.cpp writes it (`general.architecture` llama, which covers Llama and
 Mistral, qwen2 and qwen3) and the tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
 Q6_K, all dequantized at load into the engine's dtype. The config and the tokenizer (with its chat template)
-come from the file's metadata through transformers' GGUF support (pagedllm.models.checkpoint).
+come from the file's metadata through transformers' GGUF support, converted once (pagedllm.models.gguf_metadata).
 """
 
 from __future__ import annotations

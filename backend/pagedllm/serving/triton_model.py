@@ -40,6 +40,7 @@ from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.multi_lora import with_multi_lora
+from pagedllm.serving.placement import instance_device
 from pagedllm.serving.request_parser import InvalidRequest, parse_request
 from pagedllm.serving.response_builder import ResponseBuilder, coalesce
 from pagedllm.serving.response_channel import ResponseChannel
@@ -64,6 +65,7 @@ class _InFlight:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        started = time.monotonic()
         self.model_config = json.loads(args["model_config"])
         self.model_name = args["model_name"]
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
@@ -71,6 +73,9 @@ class TritonPythonModel:
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         self.serving, engine_args = ServingConfig.split(self._engine_args(version_dir))
         logging.basicConfig(level=logging.INFO, format="[pagedllm] %(levelname)s %(name)s: %(message)s")
+        engine_args["device"] = instance_device(args.get("model_instance_kind", "MODEL"),
+                                                args.get("model_instance_device_id", "0"),
+                                                engine_args.get("device", "auto"))
         self.engine_config = EngineConfig.from_kwargs(**engine_args)
         self.restarts_before = int(self._param(RESTARTS_PARAMETER, "0"))  # by earlier loads of this model
         self.inflight: dict[str, _InFlight] = {}
@@ -97,8 +102,8 @@ class TritonPythonModel:
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedllm-responses",
                                                 daemon=True)
         self.response_thread.start()
-        logger.info("model %s ready (engine args %s, %s, %d engine restarts before this load)", self.model_name,
-                    engine_args, self.serving, self.restarts_before)
+        logger.info("model %s ready in %.1f s (engine args %s, %s, %d engine restarts before this load)",
+                    self.model_name, time.monotonic() - started, engine_args, self.serving, self.restarts_before)
 
     def _build_engine(self) -> LLMEngine:
         engine = LLMEngine(self.engine_config)

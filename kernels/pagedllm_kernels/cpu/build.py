@@ -7,6 +7,9 @@ because torch's build takes a lock file that a killed build leaves behind (every
 one older than STALE_LOCK_S is removed), and because ninja 1.11 and 1.12+ hash commands differently, so two
 processes finding different ninjas on their PATH (the system's, the venv's) would rebuild the module for each
 other (~50 s each time). When a build is needed, the `ninja` package's own binary is put first on PATH.
+
+scripts/install.sh builds it (`python -m pagedllm_kernels.cpu.build`), so no model load or request pays for it.
+Every process logs which it did: "loaded" (with the path) or "built" (with the time it took).
 """
 
 from __future__ import annotations
@@ -70,11 +73,17 @@ def extension():
     build_dir = pathlib.Path(_get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     if built.exists() and not (build_dir / "lock").exists():
-        return _load_built(name, built)
+        module = _load_built(name, built)
+        logger.info("C++ CPU kernels: loaded %s", built)
+        return module
     _remove_stale_lock(build_dir / "lock")
     _use_package_ninja()
-    return load(name=name, sources=[f for f in files if f.endswith(".cpp")], verbose=False, extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS)
+    logger.warning("C++ CPU kernels: building %s (once per machine and source version; a minute or two)", name)
+    start = time.monotonic()
+    module = load(name=name, sources=[f for f in files if f.endswith(".cpp")], verbose=False,
+                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
+    logger.warning("C++ CPU kernels: built %s in %.1f s", built, time.monotonic() - start)
+    return module
 
 
 def _load_built(name: str, path: pathlib.Path):
@@ -103,3 +112,11 @@ def _use_package_ninja() -> None:
     binary = shutil.which("ninja", path=ninja.BIN_DIR)
     if binary and shutil.which("ninja") != binary:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+if __name__ == "__main__":  # scripts/install.sh: build now, or say why this machine runs without the kernels
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        extension()
+    except RuntimeError as e:
+        logger.warning("C++ CPU kernels: not built (%s); the torch paths will run instead", e)
