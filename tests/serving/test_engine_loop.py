@@ -96,3 +96,25 @@ def test_restart_attempts_are_bounded_and_requests_meanwhile_are_refused(llm):
         loop.submit("y", llm.engine.input_processor.process([0, 5], SamplingParams(max_tokens=4)))
     loop.stop()
     assert len(attempts) == 3 and loop.restarts == 0
+
+
+def test_the_engine_is_built_on_the_engine_thread_and_its_failure_raised(llm):
+    """Built and stepped on one thread (one OpenMP pool: see engine_loop's docstring); a start that fails
+    raises from the constructor, as building on the caller's thread did."""
+    import threading
+
+    built_on = []
+
+    def make():
+        built_on.append(threading.current_thread().name)
+        return llm.engine
+
+    loop = EngineLoop(make, Collector())
+    assert built_on == ["pagedllm-engine"] and loop.engine is llm.engine and loop.healthy
+    loop.stop()
+
+    def broken():
+        raise ValueError("kv_cache_memory_bytes: too small")
+
+    with pytest.raises(ValueError, match="too small"):
+        EngineLoop(broken, Collector())

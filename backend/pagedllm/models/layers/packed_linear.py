@@ -9,9 +9,10 @@
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
 0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
 hundreds of MiB before they filled (perf/soak.py). So the rows oneDNN sees are rounded up to a few dozen
-sizes (`bucket_rows`: multiples of 8 up to 64, of 64 above), padded with zero rows that are dropped from the
-result; the extra rows are nearly free (a decode's linear is bound by reading the weight) and each real row's
-result does not depend on them.
+sizes (`bucket_rows`: 1, 2, 4, 8, then multiples of 8 up to 64 and of 64 above), padded with zero rows that are
+dropped from the result; each real row's result does not depend on them. Padding is not free: one decode row
+padded to 8 made a 125M layer's linears up to 2.2x slower, compute-bound on the padding (hence the small
+buckets).
 
 `pack_linears(model, use_amx=False)` keeps oneDNN packing on AMX hosts too (`EngineConfig.amx_linear`, for A/B
 runs). Only bf16 is swapped: fp32 is
@@ -32,6 +33,8 @@ _BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; other row coun
 
 def bucket_rows(rows: int) -> int:
     """The row count a batch of `rows` is padded to before oneDNN sees it (see the module's docstring)."""
+    if rows <= 8:  # 1, 2, 4, 8: a decode of 1 row padded to 8 took up to 2.2x as long per layer (measured)
+        return 1 << (rows - 1).bit_length()
     step = 8 if rows <= 64 else 64
     return -(-rows // step) * step
 
