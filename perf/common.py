@@ -10,6 +10,7 @@ import time
 import torch
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+PERF_MAX_POSITIONS = 4096
 
 
 def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
@@ -17,8 +18,15 @@ def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
     from pagedllm.tiny_model import make_tiny_model
 
     path = os.path.join(OUT_DIR, "models", f"{arch}-{size}-{dtype}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
         make_tiny_model(path, arch=arch, size=size, dtype=dtype)
+    with open(config_path) as f:
+        config = json.load(f)
+    if config["max_position_embeddings"] < PERF_MAX_POSITIONS:  # the grid's long cells need 2,512 positions
+        config["max_position_embeddings"] = PERF_MAX_POSITIONS
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 

@@ -22,7 +22,8 @@ import torch
 
 from common import OUT_DIR, emit, matmul_peak_flops, random_workload
 from pagedllm import LLM, SamplingParams
-from throughput import ensure_vllm, run_transformers
+from transformers_baseline import run_transformers
+from vllm_env import ensure_vllm, peer_env
 
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
@@ -58,8 +59,6 @@ def run_pagedllm(path, prompts, max_tokens, rounds) -> list[float]:
 
 
 def run_vllm(path, prompts, max_tokens) -> dict:
-    from vllm_lora import peer_env
-
     py = ensure_vllm()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": path, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 256,

@@ -1,126 +1,210 @@
-"""Serving benchmark through the real tritonserver: output tokens/s, TTFT and inter-token latency (p50/p99)
-at several concurrencies over gRPC streaming, and served ÷ offline throughput on the same workload.
+"""Served throughput and latency under load, pagedllm through the real tritonserver and, with --with-vllm,
+`vllm serve` (its CPU build, OpenAI API), driven by one asyncio client at concurrency 1, 8, 32 and 64.
 
-    .venv/bin/python perf/serving.py                 # small Llama (bf16), concurrency 1, 8, 32
-    .venv/bin/python perf/serving.py --quick         # tiny model, fewer requests
-Raw TTFT/ITL samples go to perf/out/serving_samples.json (perf/plots.py draws them).
+    .venv/bin/python perf/serving.py --with-vllm            # 125M Llama, bf16, 2 rounds per engine
+    .venv/bin/python perf/serving.py --quick                # tiny model, pagedllm only (smoke test, GPU check)
+    .venv/bin/python perf/plots.py                          # PNGs in perf/figures from the last run
+
+The client (aiohttp, one event loop) streams Server-Sent Events from both: Triton's
+`/v2/models/pagedllm/generate_stream` and vLLM's `/v1/completions` with `stream: true`. Every request asks for
+exactly --max-tokens greedy tokens (ignore_eos) after the same text prompt (random tokens of 32-256,
+decoded). Per level: output tokens/s over the level's wall time, TTFT p50/p99, ITL p50/p99 (genai-perf's
+definition, per request: (end - first token) / (tokens - 1)), requests/s, and the client's own CPU use (it
+shares the 2 cores with the server, so it is printed to show it stays small).
+
+Each engine gets its own server with the same model, dtype, max_model_len, max_num_seqs (64) and KV space
+(1 GiB), started fresh for each round and warmed up with one untimed wave; vLLM runs with its CPU docs' setup
+(tcmalloc and Intel OpenMP preloaded, threads bound). Rounds alternate which engine goes first; each
+figure is the median over rounds, and the ratios are pagedllm / vLLM (throughput: higher is better;
+latencies: lower is better).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
+import signal
+import statistics
+import subprocess
 import tempfile
-import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import aiohttp
+
 from common import OUT_DIR, emit, model_dir
-from pagedllm import LLM, SamplingParams
+from pagedllm.net import free_port
 from pagedllm.serving import launcher
-from pagedllm_client import PagedLLMClient
 
-ENGINE = {"dtype": "bfloat16", "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 64}
+MAX_MODEL_LEN, MAX_NUM_SEQS, KV_GIB = 1024, 64, 1
+ENGINE = {"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_GIB << 30,
+          "max_num_seqs": MAX_NUM_SEQS}
 
 
-def make_prompts(tokenizer, n: int, words: int, seed: int = 0) -> list[str]:
+def make_prompts(path: str, n: int, seed: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
     rng = random.Random(seed)
-    vocab = [tokenizer.decode([i]) for i in range(3, min(tokenizer.vocab_size, 5000))]
-    return ["".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
+    return [tok.decode([rng.randrange(3, tok.vocab_size) for _ in range(rng.randint(32, 256))]) for _ in range(n)]
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    ttft, itl, tokens = [], [], [0]
-    lock = threading.Lock()
-    queue = list(prompts)
+class PagedServer:
+    name = "pagedllm-triton"
 
-    def worker():
-        client = PagedLLMClient(url)
+    def __init__(self, path: str) -> None:
+        self.run = launcher.launch_on_free_ports(Path(tempfile.mkdtemp(prefix="pagedllm-serving-")), path, ENGINE)
+        self.url = f"http://127.0.0.1:{self.run.http_port}/v2/models/pagedllm/generate_stream"
+
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        return {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(
+            {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})}
+
+    def stop(self) -> None:
+        launcher.stop_server(self.run.proc)
+
+
+class VllmServer:
+    name = "vllm-serve"
+
+    def __init__(self, path: str) -> None:
+        from vllm_env import VLLM_VENV, ensure_vllm, peer_env
+
+        ensure_vllm()
+        port = free_port()
+        self.path = path
+        self.proc = subprocess.Popen(
+            [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1", "--port", str(port),
+             "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+             "--seed", "0"], env=peer_env(KV_GIB), start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tempfile.gettempdir(), "vllm-serve.log"), "w"))
+        deadline = time.monotonic() + 900
         while True:
-            with lock:
-                if not queue:
-                    return
-                prompt = queue.pop()
-            start = last = time.perf_counter()
-            first = True
-            for _ in client.stream(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
-                now = time.perf_counter()
-                with lock:
-                    (ttft if first else itl).append(now - (start if first else last))
-                first, last = False, now
-            with lock:
-                tokens[0] += max_tokens
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not start: see vllm-serve.log in the temp directory")
+            time.sleep(1)
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    samples = {"ttft_s": ttft, "itl_s": itl}
-    return samples, {"concurrency": concurrency, "requests": len(prompts),
-                     "output_tokens_per_s": round(tokens[0] / elapsed, 1),
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        return {"model": self.path, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+async def one_request(session, server, prompt: str, max_tokens: int) -> tuple[float, float]:
+    """(TTFT, end to end) of one streamed request, in seconds."""
+    start = time.perf_counter()
+    first = None
+    async with session.post(server.url, json=server.body(prompt, max_tokens)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            if line.startswith(b"data:") and first is None and line.strip() != b"data: [DONE]":
+                first = time.perf_counter()
+    return first - start, time.perf_counter() - start
+
+
+async def run_level(server, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    results = []
+
+    async def bounded(session, prompt):
+        async with gate:
+            results.append(await one_request(session, server, prompt, max_tokens))
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        wall, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(bounded(session, p) for p in prompts))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    ttft = [t for t, _ in results]
+    itl = [(e2e - t) / (max_tokens - 1) for t, e2e in results]
+    return {"engine": server.name, "concurrency": concurrency, "requests": len(prompts),
+            "output_tokens_per_s": round(len(prompts) * max_tokens / wall, 1),
+            "requests_per_s": round(len(prompts) / wall, 3),
             "ttft_p50_ms": round(1000 * pct(ttft, 0.5), 1), "ttft_p99_ms": round(1000 * pct(ttft, 0.99), 1),
-            "itl_p50_ms": round(1000 * pct(itl, 0.5), 2), "itl_p99_ms": round(1000 * pct(itl, 0.99), 2)}
+            "itl_p50_ms": round(1000 * pct(itl, 0.5), 2), "itl_p99_ms": round(1000 * pct(itl, 0.99), 2),
+            "client_cpu_cores": round(cpu / wall, 3), "ttft_s": ttft, "itl_s": itl}
 
 
-def offline_tps(path: str, prompts: list[str], max_tokens: int, max_num_seqs: int) -> float:
-    """Offline throughput with the same batch width as the served level (max_num_seqs = concurrency)."""
-    llm = LLM(path, **{**ENGINE, "max_num_seqs": max_num_seqs})
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+def sweep(server_class, path: str, levels: list[int], workloads: dict, max_tokens: int, rnd: int) -> list[dict]:
+    server = server_class(path)
+    try:
+        asyncio.run(run_level(server, workloads["warmup"], 8, max_tokens))  # one untimed wave
+        out = []
+        for c in levels:
+            level = asyncio.run(run_level(server, workloads[c], c, max_tokens))
+            emit({"round": rnd, **{k: v for k, v in level.items() if k not in ("ttft_s", "itl_s")}})
+            out.append(level)
+        return out
+    finally:
+        server.stop()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--size", default=None)
-    ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--with-vllm", action="store_true")
+    ap.add_argument("--size", default=None, help="tiny_model size (default 125m; tiny with --quick)")
+    ap.add_argument("--concurrency", default=None, help="default 1,8,32,64 (1,8 with --quick)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 with --quick)")
+    ap.add_argument("--rounds", type=int, default=None, help="default 2 with --with-vllm, else 1")
     args = ap.parse_args()
-    size = args.size or ("tiny" if args.quick else "small")
-    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    size = args.size or ("tiny" if args.quick else "125m")
+    max_tokens = args.max_tokens or (16 if args.quick else 128)
+    levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32,64")).split(",")]
+    rounds = args.rounds or (2 if args.with_vllm else 1)
     path = model_dir("llama", size, "bfloat16")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    llm_tok = LLM(path, **{**ENGINE, "kv_cache_memory_bytes": 64 << 20}).get_tokenizer()
-    work = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
-    server = launcher.launch_on_free_ports(work, path, ENGINE)
-    proc = server.proc
-    try:
-        url = f"127.0.0.1:{server.grpc_port}"
-        results = []
+    # the same prompts for both engines: per level 4 x concurrency requests (16..128), and a warm-up wave
+    sizes = {c: min(128, max(16, 4 * c)) if not args.quick else max(4, 2 * c) for c in levels}
+    workloads = {c: make_prompts(path, n, seed=c) for c, n in sizes.items()}
+    workloads["warmup"] = make_prompts(path, 8, seed=10_000)
+    servers = [PagedServer] + ([VllmServer] if args.with_vllm else [])
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for r in range(rounds):
+        for server_class in (servers if r % 2 == 0 else servers[::-1]):
+            for level in sweep(server_class, path, levels, workloads, max_tokens, r + 1):
+                runs.setdefault((level["engine"], level["concurrency"]), []).append(level)
+    metrics = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+               "client_cpu_cores")
+    summary = []
+    for (engine, c), levels_run in runs.items():
+        row = {"engine": engine, "model": f"llama-{size}", "max_tokens": max_tokens, "concurrency": c,
+               "rounds": len(levels_run), **{m: statistics.median(lv[m] for lv in levels_run) for m in metrics}}
+        summary.append(row)
+        emit({"median_over_rounds": True, **row})
+    if args.with_vllm:
         for c in levels:
-            n = max(8, 2 * c) if not args.quick else max(4, c)
-            prompts = make_prompts(llm_tok, n, words=64, seed=c)
-            samples, served = run_level(url, prompts, c, max_tokens)
-            served.update({"engine": "pagedllm-triton", "model": f"llama-{size}", "max_tokens": max_tokens})
-            emit(served)
-            results.append({**served, **samples})
-            if c == max(levels):
-                launcher.stop_server(proc)  # free the cores for the offline run of the same workload
-                off = offline_tps(path, prompts, max_tokens, c)
-                emit({"engine": "pagedllm-offline", "model": f"llama-{size}", "requests": n,
-                      "output_tokens_per_s": round(off, 1),
-                      "served_over_offline": round(served["output_tokens_per_s"] / off, 2)})
-    finally:
-        launcher.stop_server(proc)
-    # Raw latency samples for perf/plots.py.
+            ours, theirs = runs[("pagedllm-triton", c)], runs[("vllm-serve", c)]
+            emit({"concurrency": c, **{f"ratio_{m}": round(statistics.median(lv[m] for lv in ours) /
+                                                        statistics.median(lv[m] for lv in theirs), 3)
+                                       for m in metrics if m != "client_cpu_cores"}})
     os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "serving_samples.json"), "w") as f:
-        json.dump(results, f)
+    with open(os.path.join(OUT_DIR, "serving_samples.json"), "w") as f:  # for perf/plots.py
+        json.dump({"summary": summary, "samples": [{k: lv[k] for k in ("engine", "concurrency", "ttft_s", "itl_s")}
+                                                   for lv in (v[-1] for v in runs.values())]}, f)
 
 
 if __name__ == "__main__":

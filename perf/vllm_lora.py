@@ -9,21 +9,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from throughput import VLLM_VENV, ensure_vllm
-
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-
-
-def peer_env() -> dict:
-    """vLLM's CPU setup (ENVIRONMENT.md): tcmalloc (Debian's libtcmalloc-minimal4, installed if missing) and the
-    venv's Intel OpenMP preloaded, OpenMP threads bound to the two cores."""
-    if not os.path.exists(TCMALLOC):
-        subprocess.run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"], check=False,
-                       capture_output=True)
-    preload = [p for p in (TCMALLOC, str(VLLM_VENV / "lib" / "libiomp5.so")) if os.path.exists(p)]
-    return {**os.environ, "LD_PRELOAD": ":".join(preload), "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING"}
+from vllm_env import ensure_vllm, peer_env
 
 
 def run_vllm_lora(path, prompts, max_tokens, loras, rank, rounds) -> list[dict]:

@@ -20,6 +20,8 @@ SIZES = {
     "small": (256, 688, 4, 4, 2, 32000),
     "125m": (768, 2048, 12, 12, 4, 32000),
     "1b": (2048, 5632, 16, 32, 8, 32000),
+    # Qwen2.5-0.5B's layer shapes (2 KV heads of 64) with our offline tokenizer's 32k vocabulary: 0.39B params
+    "0.5b": (896, 4864, 24, 14, 2, 32000),
 }
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe",
          "gpt_neox", "stablelm", "gemma2")

@@ -18,7 +18,7 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script, args, key", [
-    ("throughput.py", ["--quick", "--sizes", "tiny", "--rounds", "2"], "median_ratio_pagedllm_over_transformers"),
+    ("throughput.py", ["--quick", "--engines", "pagedllm"], "steady_state_tokens_per_s"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
     ("parallel_sampling.py", ["--quick"], "speedup_median"),

@@ -1,0 +1,59 @@
+"""One engine, kept loaded, timing the cells perf/throughput.py sends it. Runs in the engine's own venv (ours,
+or vLLM's with its CPU setup; both LLM classes take the same calls), so the harness can alternate engines
+cell by cell and the host's drift falls on both alike.
+
+    python offline_worker.py ENGINE MODEL DTYPE KV_GIB    (ENGINE: pagedllm | vllm)
+
+Protocol: one JSON object per line on stdin, {"prompts": [[ids]], "max_tokens": N, "repeats": R,
+"min_seconds": S}; for each, one JSON line on stdout, {"seconds": [...], "tokens": [...], "warmup_seconds": s}.
+Every cell is first run once untimed (the warm-up: caches, allocator, compiled graphs reach steady state),
+then at least R times and until S seconds are timed (at most 4R runs); the prefix cache is reset before every
+run, so each one prefills its prompts.
+"""
+
+import json
+import sys
+import time
+
+MAX_MODEL_LEN = 2560  # the grid's longest prompt (2,000) plus its longest output (512), rounded up to a block
+MAX_NUM_SEQS = 256  # the grid's widest cell; both engines run every cell with the same limit
+
+
+def make_engine(engine: str, model: str, dtype: str, kv_gib: int):
+    if engine == "vllm":  # KV space comes from VLLM_CPU_KVCACHE_SPACE (perf/vllm_lora.py peer_env)
+        from vllm import LLM, SamplingParams
+
+        return LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, seed=0), \
+            SamplingParams
+    from pagedllm import LLM, SamplingParams
+
+    return LLM(model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+               kv_cache_memory_bytes=kv_gib << 30), SamplingParams
+
+
+def timed(llm, prompts, params) -> tuple[float, int]:
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def main() -> None:
+    engine, model, dtype, kv_gib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    llm, sampling_params = make_engine(engine, model, dtype, kv_gib)
+    print(json.dumps({"ready": engine}), flush=True)
+    for line in sys.stdin:
+        cell = json.loads(line)
+        prompts = [{"prompt_token_ids": p} for p in cell["prompts"]]
+        params = sampling_params(temperature=0, max_tokens=cell["max_tokens"], ignore_eos=True)
+        warmup, _ = timed(llm, prompts, params)
+        runs = []
+        while len(runs) < cell["repeats"] or (sum(s for s, _ in runs) < cell["min_seconds"]
+                                              and len(runs) < 4 * cell["repeats"]):
+            runs.append(timed(llm, prompts, params))
+        print(json.dumps({"warmup_seconds": warmup, "seconds": [s for s, _ in runs],
+                          "tokens": [t for _, t in runs]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
