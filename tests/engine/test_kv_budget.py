@@ -47,6 +47,19 @@ def test_cpu_budgets():
                         QWEN_05B, torch.bfloat16, 2048, 64)
 
 
+def test_a_draft_model_shares_the_device_fraction_only(monkeypatch):
+    """On a GPU the draft's KV (a quarter of the target's) comes out of the fraction; an explicit or CPU budget
+    is the target's alone, as before."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (138 * GiB, 140 * GiB))
+    alone = kv_budget_bytes(CacheConfig(), "cuda:0", QWEN_05B, torch.bfloat16, 2048, 64)
+    shared = kv_budget_bytes(CacheConfig(), "cuda:0", QWEN_05B, torch.bfloat16, 2048, 64, shared_with_draft=True)
+    assert alone > 0 and shared == alone - alone // 5 and shared + shared // 4 <= alone
+    assert kv_budget_bytes(CacheConfig(), "cpu", QWEN_05B, torch.bfloat16, 2048, 64,
+                           shared_with_draft=True) == CPU_DEFAULT_KV_BYTES
+    assert kv_budget_bytes(CacheConfig(kv_cache_memory_bytes=1 << 20), "cuda:0", QWEN_05B, torch.bfloat16, 2048,
+                           64, shared_with_draft=True) == 1 << 20
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, -0.1, True, "0.9"])
 def test_a_bad_fraction_is_refused(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -103,12 +103,11 @@ class LLMEngine:
     def _init_cache(self) -> int:
         """Size the KV cache from the budget, pick the attention backend, and set up every rank's runner."""
         cc, sc, info = self.config.cache, self.config.scheduler, self.model_info
-        budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype, sc.max_num_batched_tokens,
-                                 sc.max_num_seqs, self.config.tensor_parallel_size)
         spec = self.config.speculative_config
-        if cc.kv_cache_memory_bytes is None and spec is not None and spec.method == "draft_model" \
-                and spec.kv_cache_memory_bytes is None:
-            budget -= budget // 5  # the draft's KV (a quarter of the target's) comes out of the same fraction
+        budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype, sc.max_num_batched_tokens,
+                                 sc.max_num_seqs, self.config.tensor_parallel_size,
+                                 shared_with_draft=spec is not None and spec.method == "draft_model"
+                                 and spec.kv_cache_memory_bytes is None)
         # from here on the config states the budget in bytes (the draft model's KV is sized from it)
         cc = dataclasses.replace(cc, kv_cache_memory_bytes=budget, gpu_memory_utilization=None)
         self.config = dataclasses.replace(self.config, cache=cc)

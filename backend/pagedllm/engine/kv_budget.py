@@ -5,7 +5,8 @@ On a GPU the fraction covers everything this engine holds: after the weights are
     total x utilization - (total - free now) - the activation reserve
 where `total - free` is everything already on the device (our weights, the CUDA context, and other processes':
 like vLLM, we never take memory someone else holds), and the reserve is an upper estimate of one step's peak
-activations (activation_reserve_bytes). Both limits together are refused: one would be ignored.
+activations (activation_reserve_bytes). A draft model whose KV is sized from the target's (a quarter of it)
+shares that fraction: the target keeps 4/5 of it. Both limits together are refused: one would be ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ _WORKSPACE_BYTES = 256 << 20
 
 
 def kv_budget_bytes(cache_config, device: str, hf_config, dtype: torch.dtype, max_num_batched_tokens: int,
-                    max_num_seqs: int, tensor_parallel_size: int = 1) -> int:
+                    max_num_seqs: int, tensor_parallel_size: int = 1, shared_with_draft: bool = False) -> int:
     explicit, utilization = cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization
     if explicit is not None and utilization is not None:
         raise ValueError("kv_cache_memory_bytes and gpu_memory_utilization: give one of them (each sets the KV "
@@ -34,7 +35,8 @@ def kv_budget_bytes(cache_config, device: str, hf_config, dtype: torch.dtype, ma
         return CPU_DEFAULT_KV_BYTES
     free, total = torch.cuda.mem_get_info(torch.device(device))
     reserve = activation_reserve_bytes(hf_config, dtype, max_num_batched_tokens, max_num_seqs, tensor_parallel_size)
-    return budget_from_utilization(total, free, utilization or DEFAULT_GPU_MEMORY_UTILIZATION, reserve)
+    budget = budget_from_utilization(total, free, utilization or DEFAULT_GPU_MEMORY_UTILIZATION, reserve)
+    return budget - budget // 5 if shared_with_draft else budget  # the draft then takes a quarter of the rest
 
 
 def budget_from_utilization(total: int, free: int, utilization: float, reserve: int) -> int:
