@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -82,22 +81,14 @@ class VllmServer:
         ensure_vllm()
         port = free_port()
         self.path = path
-        self.proc = subprocess.Popen(
-            [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1", "--port", str(port),
-             "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-             "--seed", "0"], env=peer_env(KV_GIB), start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tempfile.gettempdir(), "vllm-serve.log"), "w"))
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("vllm serve did not start: see vllm-serve.log in the temp directory")
-            time.sleep(1)
+        log = os.path.join(tempfile.gettempdir(), "vllm-serve.log")
+        with open(log, "w") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0"],
+                env=peer_env(KV_GIB), start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
+        launcher.wait_for_200(f"http://127.0.0.1:{port}/health", self.proc, 900, "vllm serve", f"; see {log}")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
 
     def body(self, prompt: str, max_tokens: int) -> dict:

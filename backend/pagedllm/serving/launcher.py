@@ -139,10 +139,10 @@ def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, met
 
 def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None) -> None:
     url = f"http://127.0.0.1:{http_port}/v2/" + (f"models/{model}/ready" if model else "health/ready")
-    _wait_for_200(url, proc, timeout, "tritonserver", "")
+    wait_for_200(url, proc, timeout, "tritonserver", "")
 
 
-def _wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str) -> None:
+def wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str) -> None:
     """Poll `url` until it answers 200; raise if `proc` exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -218,7 +218,7 @@ def start_openai_frontend(host: str, port: int, triton_grpc_url: str, drain_time
 
 
 def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    _wait_for_200(f"{url}/health", proc, timeout, "the OpenAI front end",
+    wait_for_200(f"{url}/health", proc, timeout, "the OpenAI front end",
                   " (is its port free? --openai-port 0 turns it off)")
 
 
