@@ -1,9 +1,10 @@
 """Attention on CPU, per backend, in one run:
 - the share of a decode step spent in attention (every layer's backend.forward, KV store included) on the
   125M workload of perf/throughput.py, with the resulting decode tokens/s;
-- one prefill row of L tokens (125M attention shapes) through each backend.
+- one prefill row of L tokens (125M attention shapes) through each backend;
+each with the bf16 cache and the fp8 one (--kv-cache-dtypes), and fp8's ratios to bf16.
 
-    .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu]
+    .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu] [--kv-cache-dtypes auto,fp8]
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class AttentionTimer:
         backend.forward = forward
 
 
-def measure(path, backend, prompts, steps):
+def measure(path, backend, prompts, steps, kv_cache_dtype):
     llm = LLM(path, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=2 << 30, max_num_seqs=256,
-              attention_backend=backend)
+              attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
@@ -49,12 +50,13 @@ def measure(path, backend, prompts, steps):
     total = time.perf_counter() - t0
     rows = len(engine.scheduler.running)
     llm.shutdown()
-    return {"bench": "attention_share", "backend": engine.backend.name, "decode_rows": rows,
+    return {"bench": "attention_share", "backend": engine.backend.name, "kv_cache_dtype": kv_cache_dtype,
+            "decode_rows": rows,
             "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * timer.seconds / steps, 2),
             "attention_share": round(timer.seconds / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
 
 
-def prefill_row_ms(backend_name: str, length: int, repeats: int = 3) -> float:
+def prefill_row_ms(backend_name: str, length: int, kv_cache_dtype: str, repeats: int = 3) -> float:
     """One layer's attention over a fresh L-token prompt (12 heads, 4 KV heads, head_dim 64, bf16)."""
     import torch
     from pagedllm.attention.metadata import AttentionMetadata
@@ -64,7 +66,8 @@ def prefill_row_ms(backend_name: str, length: int, repeats: int = 3) -> float:
     if hasattr(backend, "warm_up"):
         backend.warm_up("cpu")
     bs, blocks = 16, -(-length // 16)
-    cache = torch.zeros(2, blocks + 1, bs, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, blocks + 1, bs, 4, 64,
+                        dtype=torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.bfloat16)
     q = torch.randn(length, 12, 64).to(torch.bfloat16)
     k, v = (torch.randn(length, 4, 64).to(torch.bfloat16) for _ in range(2))
     table = (torch.randperm(blocks) + 1)[None]
@@ -85,20 +88,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--backends", default="torch,cpu")
+    ap.add_argument("--kv-cache-dtypes", default="auto,fp8", help="auto = the model's bf16")
     args = ap.parse_args()
     size = "small" if args.quick else "125m"
     path = model_dir("llama", size, "bfloat16")
     prompts = random_workload(16 if args.quick else 64, 32, 256, 32000, seed=0)
-    results = [measure(path, b, prompts, 5 if args.quick else 30) for b in args.backends.split(",")]
-    for r in results:
+    backends, kv_dtypes = args.backends.split(","), args.kv_cache_dtypes.split(",")
+    results = {(b, kv): measure(path, b, prompts, 5 if args.quick else 30, kv) for kv in kv_dtypes for b in backends}
+    for r in results.values():
         emit(r)
-    if len(results) == 2:
-        a, b = results
-        emit({"bench": "attention_share_ratio", f"{b['backend']}_over_{a['backend']}_decode_tok_s":
-              round(b["decode_tok_s"] / a["decode_tok_s"], 3)})
+    if len(backends) == 2:
+        for kv in kv_dtypes:
+            a, b = (results[name, kv] for name in backends)
+            emit({"bench": "attention_share_ratio", "kv_cache_dtype": kv,
+                  f"{b['backend']}_over_{a['backend']}_decode_tok_s": round(b["decode_tok_s"] / a["decode_tok_s"], 3)})
+    if "auto" in kv_dtypes and "fp8" in kv_dtypes:
+        for name in backends:
+            a, b = results[name, "auto"], results[name, "fp8"]
+            emit({"bench": "fp8_over_bf16_cache", "backend": name,
+                  "attention_ms_ratio": round(b["attention_ms"] / a["attention_ms"], 3),
+                  "decode_tok_s_ratio": round(b["decode_tok_s"] / a["decode_tok_s"], 3)})
     for length in (128, 512) if args.quick else (128, 256, 512, 1024, 2048):
-        emit({"bench": "prefill_row_attention_ms", "tokens": length,
-              **{b: round(prefill_row_ms(b, length), 2) for b in args.backends.split(",")}})
+        for kv in kv_dtypes:
+            emit({"bench": "prefill_row_attention_ms", "tokens": length, "kv_cache_dtype": kv,
+                  **{b: round(prefill_row_ms(b, length, kv), 2) for b in backends}})
 
 
 if __name__ == "__main__":

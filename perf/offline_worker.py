@@ -2,7 +2,10 @@
 or vLLM's with its CPU setup; both LLM classes take the same calls), so the harness can alternate engines
 cell by cell and the host's drift falls on both alike.
 
-    python offline_worker.py ENGINE MODEL DTYPE KV_GIB    (ENGINE: pagedllm | vllm)
+    python offline_worker.py ENGINE MODEL DTYPE KV_GIB [OPTIONS_JSON]    (ENGINE: pagedllm | vllm)
+
+OPTIONS_JSON: more engine arguments (e.g. {"kv_cache_dtype": "fp8"}). The ready line reports pagedllm's memory
+footprint: the bytes its weights hold and one token's KV bytes.
 
 Protocol: one JSON object per line on stdin, {"prompts": [[ids]], "max_tokens": N, "repeats": R,
 "min_seconds": S}; for each, one JSON line on stdout, {"seconds": [...], "tokens": [...], "warmup_seconds": s}.
@@ -19,16 +22,37 @@ MAX_MODEL_LEN = 2560  # the grid's longest prompt (2,000) plus its longest outpu
 MAX_NUM_SEQS = 256  # the grid's widest cell; both engines run every cell with the same limit
 
 
-def make_engine(engine: str, model: str, dtype: str, kv_gib: int):
+def make_engine(engine: str, model: str, dtype: str, kv_gib: int, options: dict):
     if engine == "vllm":  # KV space comes from VLLM_CPU_KVCACHE_SPACE (perf/vllm_lora.py peer_env)
         from vllm import LLM, SamplingParams
 
-        return LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, seed=0), \
-            SamplingParams
+        return LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, seed=0,
+                   **options), SamplingParams
     from pagedllm import LLM, SamplingParams
 
     return LLM(model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-               kv_cache_memory_bytes=kv_gib << 30), SamplingParams
+               kv_cache_memory_bytes=kv_gib << 30, **options), SamplingParams
+
+
+def footprint(llm) -> dict:
+    """pagedllm's weight bytes (parameters and buffers, each storage once; oneDNN's packed weights, whose storage
+    is opaque, by their elements) and KV bytes per token."""
+    from pagedllm.engine.kv_sizing import KVGeometry
+
+    engine = llm.engine
+    model = engine.executor.model
+    seen, weight_bytes = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:
+            key, nbytes = id(t), t.numel() * t.element_size()
+        else:
+            key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key not in seen:
+            seen.add(key)
+            weight_bytes += nbytes
+    block = engine.config.cache.block_size
+    kv = KVGeometry.of(model).bytes_per_block(block, engine.model_info.kv_dtype) // block
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv}
 
 
 def timed(llm, prompts, params) -> tuple[float, int]:
@@ -40,8 +64,9 @@ def timed(llm, prompts, params) -> tuple[float, int]:
 
 def main() -> None:
     engine, model, dtype, kv_gib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    llm, sampling_params = make_engine(engine, model, dtype, kv_gib)
-    print(json.dumps({"ready": engine}), flush=True)
+    options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    llm, sampling_params = make_engine(engine, model, dtype, kv_gib, options)
+    print(json.dumps({"ready": engine, **(footprint(llm) if engine == "pagedllm" else {})}), flush=True)
     for line in sys.stdin:
         cell = json.loads(line)
         prompts = [{"prompt_token_ids": p} for p in cell["prompts"]]

@@ -3,6 +3,11 @@
     .venv/bin/python perf/throughput.py                                 # the whole grid (hours on 2 cores)
     .venv/bin/python perf/throughput.py --sizes 125m --prompts short --outputs 128 --seqs 64   # one cell
     .venv/bin/python perf/throughput.py --engines pagedllm --quick      # smoke test: tiny model, no peer
+    .venv/bin/python perf/throughput.py --sizes 125m --prompts short --outputs 128 --seqs 1,8,64 \
+        --engines pagedllm,pagedllm:kv_cache_dtype=fp8                  # a variant against the baseline
+
+An engine `pagedllm:KEY=VALUE[:KEY=VALUE]` is pagedllm with those engine arguments: its cells are also shown
+as a ratio to plain `pagedllm`, with both footprints (weight bytes, KV bytes per token).
 
 The grid: models 19m (Llama, 4 layers), 125m (Llama, 12 layers) and 0.5b (Qwen2 shapes, 24 layers, 2 KV
 heads) in bf16; prompts of 32-256 ("short") or 1,000-2,000 ("long") random tokens; 128 or 512 greedy
@@ -44,17 +49,19 @@ WORKER = Path(__file__).with_name("offline_worker.py")
 class Worker:
     """One engine in its own process, holding one model, timing the cells it is sent."""
 
-    def __init__(self, engine: str, model: str, dtype: str, kv_gib: int) -> None:
-        self.engine = engine
+    def __init__(self, label: str, model: str, dtype: str, kv_gib: int) -> None:
+        self.engine = label
+        engine, *pairs = label.split(":")
+        options = {k: _value(v) for k, v in (p.split("=", 1) for p in pairs)}
         if engine == "vllm":
             from vllm_env import ensure_vllm, peer_env
 
             python, env = str(ensure_vllm()), peer_env(kv_gib)
         else:
             python, env = sys.executable, None
-        self.proc = subprocess.Popen([python, str(WORKER), engine, model, dtype, str(kv_gib)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # {"ready": ...} once the model is loaded
+        self.proc = subprocess.Popen([python, str(WORKER), engine, model, dtype, str(kv_gib), json.dumps(options)],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()  # {"ready": ..., footprint} once the model is loaded
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
@@ -95,6 +102,10 @@ def main() -> None:
         path = model_dir(arch, shape, args.dtype)
         vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
         workers = [Worker(e, path, args.dtype, args.kv_gib) for e in engines]
+        for w in workers:
+            if "weight_bytes" in w.ready:
+                emit({"model": size, "engine": w.engine, "weight_mib": round(w.ready["weight_bytes"] / 2**20, 1),
+                      "kv_bytes_per_token": w.ready["kv_bytes_per_token"]})
         cells = itertools.product(args.prompts.split(","), map(int, args.outputs.split(",")),
                                   map(int, args.seqs.split(",")))
         for i, (kind, max_tokens, seqs) in enumerate(cells):
@@ -112,6 +123,8 @@ def main() -> None:
                 ratio = medians["pagedllm"] / medians["vllm"]
                 ratios.setdefault(size, []).append(ratio)
                 emit({**cell, "ratio_pagedllm_over_vllm": round(ratio, 3)})
+            for variant in (e for e in medians if e.startswith("pagedllm:") and "pagedllm" in medians):
+                emit({**cell, "engine": variant, "ratio_over_pagedllm": round(medians[variant] / medians["pagedllm"], 3)})
         for w in workers:
             w.close()
         if size in ratios:
@@ -121,6 +134,14 @@ def main() -> None:
     if every:
         emit({"grid": "all", "cells": len(every), "geomean_ratio_pagedllm_over_vllm": round(_geomean(every), 3),
               "min_ratio": round(min(every), 3), "cells_below_1": sum(r < 1 for r in every)})
+
+
+def _value(text: str):
+    """An engine argument from the command line: JSON where it parses (numbers, booleans), else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _geomean(values: list[float]) -> float:

@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from pagedllm.config import KV_CACHE_DTYPES
+
 
 def _make_tiny_model(args) -> None:
     from pagedllm.tiny_model import make_tiny_model
@@ -21,7 +23,7 @@ def _generate(args) -> None:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+              tensor_parallel_size=args.tensor_parallel_size, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or [])
     for out in llm.generate(args.prompts, params, use_tqdm=False):
@@ -35,7 +37,8 @@ def _batch(args) -> None:
     from pagedllm.batch.runner import run_batch
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+              max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+              kv_cache_dtype=args.kv_cache_dtype)
     defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens)
     summary = run_batch(llm, args.input, args.output, defaults, prompt_field=args.prompt_field,
@@ -55,10 +58,12 @@ def _openai(args) -> None:
     sys.exit(run(args))
 
 
-def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks to split the model over (worker processes are started, or torchrun's are used)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (the model's dtype) or fp8 (e4m3: half of bf16's KV bytes per token)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-seed", type=int, default=None)
-    _add_parallel_arguments(p)
+    _add_engine_arguments(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("batch", help="run prompts from a JSONL/CSV/Parquet file; results to JSONL/Parquet")
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_parallel_arguments(p)
+    _add_engine_arguments(p)
     p.set_defaults(func=_batch)
 
     from pagedllm.serving.launcher import add_serve_arguments

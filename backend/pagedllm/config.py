@@ -26,6 +26,9 @@ def _env_default(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -35,8 +38,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype. "fp8" (= "fp8_e4m3"): e4m3 elements with a per-tensor scale per layer's K and V
+    # (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bf16 per token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                 + (" (e5m2 is not implemented: use fp8, which is e4m3)" if self.kv_cache_dtype == "fp8_e5m2" else ""))
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size}")
         _require(self.kv_cache_memory_bytes is None or (_int(self.kv_cache_memory_bytes)

@@ -4,6 +4,10 @@ optional sliding window, online softmax in fp32.
 
 Each program takes one (sequence, KV head, tile of queries) and puts the tile's queries *and* the query heads
 sharing that KV head into the rows of one matrix, so a decode row still fills a 16-row tl.dot.
+
+An fp8 (float8_e4m3fn) cache is read as bytes and widened in the kernel by bit moves (e4m3 into fp16's fields,
+exact, subnormals included), so it needs no fp8 hardware and runs under the interpreter; its values are the
+elements times k_scale / v_scale.
 """
 
 from __future__ import annotations
@@ -12,16 +16,27 @@ import torch
 import triton
 import triton.language as tl
 
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _e4m3_to_f32(bits):
+    """uint8 e4m3 codes -> their values: sign, exponent and mantissa moved into an fp16 (bias 15, not 7: the
+    fp16 is the value / 256), then widened."""
+    b = bits.to(tl.int16)
+    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, window,
+    scale, window, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,8 +68,12 @@ def _paged_attention_kernel(
     for b in range(first_block, tl.cdiv(end, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
         kv_off = block_id * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        if FP8_CACHE:
+            k = _e4m3_to_f32(tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * k_scale
+            v = _e4m3_to_f32(tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * v_scale
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -88,8 +107,8 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None
         raise ValueError("caches must be [blocks, block_size, kv_heads, head_dim], both the same shape")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (heads % kv_heads)")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError("q and the caches must share a dtype")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8):
+        raise ValueError("the caches must share q's dtype, or both be float8_e4m3fn")
     bs = k_cache.shape[1]
     if bs < 16 or bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {bs}")
@@ -105,10 +124,15 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-                    sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D]; caches [blocks, block_size, KVH, D]; row i's queries are q[query_start_loc[i]:...[i+1]],
-    the last ones of its seq_lens[i] tokens of context. Returns [T, H, D]."""
+                    sliding_window: int | None = None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q [T, H, D]; caches [blocks, block_size, KVH, D] of q's dtype or float8_e4m3fn (values = elements *
+    k_scale / v_scale); row i's queries are q[query_start_loc[i]:...[i+1]], the last ones of its seq_lens[i]
+    tokens of context. Returns [T, H, D]."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    fp8 = k_cache.dtype == FP8
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     out = torch.empty_like(q) if out is None else out
     rows, kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if rows == 0 or q.shape[0] == 0:
@@ -118,16 +142,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (rows, kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, sliding_window or 0,
+        float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
         HEAD_DIM=q.shape[2], BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_SIZE=k_cache.shape[1],
-        USE_WINDOW=sliding_window is not None, FP32_DOT=q.dtype == torch.float32)
+        USE_WINDOW=sliding_window is not None, FP32_DOT=q.dtype == torch.float32, FP8_CACHE=fp8)
     return out
 
 
 def reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sliding_window=None) -> torch.Tensor:
+                              sliding_window=None, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
     """Plain torch, one sequence at a time, fp32 math: the oracle for the kernel."""
     out = torch.empty_like(q)
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -137,8 +162,8 @@ def reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query
         if e == s:
             continue
         blocks = block_tables[i, : -(-ctx // bs)].long()
-        keys = k_cache[blocks].reshape(-1, kvh, q.shape[2])[:ctx].float().repeat_interleave(group, 1)
-        vals = v_cache[blocks].reshape(-1, kvh, q.shape[2])[:ctx].float().repeat_interleave(group, 1)
+        keys = (k_cache[blocks].reshape(-1, kvh, q.shape[2])[:ctx].float() * k_scale).repeat_interleave(group, 1)
+        vals = (v_cache[blocks].reshape(-1, kvh, q.shape[2])[:ctx].float() * v_scale).repeat_interleave(group, 1)
         qs = q[s:e].float()
         scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
         qpos = torch.arange(ctx - (e - s), ctx)[:, None]

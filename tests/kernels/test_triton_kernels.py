@@ -82,3 +82,32 @@ def test_kv_store_writes_slots_and_skips_padding(dtype):
     assert torch.equal(kc.view(-1, 2, 32)[17], k[0]) and torch.equal(vc.view(-1, 2, 32)[127], v[3])
     with pytest.raises(ValueError, match="slot_mapping"):
         kv_store(k, v, kc, vc, slots[:3])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 4, None), (12, 4, None), (8, 2, 20)])
+def test_paged_attention_over_an_fp8_cache(dtype, heads, kv_heads, window):
+    """The kernel widens e4m3 bytes itself: it must read exactly torch's float8 values, times the scales."""
+    q, kc, vc, bt, sl, qsl, max_q = make_batch(heads, kv_heads, 32, dtype, seed=5)
+    kc8, vc8 = (kc.float() / 0.25).to(FP8), (vc.float() * 2).clamp(-448, 448).to(FP8)
+    got = paged_attention(q, kc8, vc8, bt, sl, qsl, max_q, 32 ** -0.5, window, k_scale=0.25, v_scale=0.5)
+    want = reference_paged_attention(q.cpu(), kc8.cpu(), vc8.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), 32 ** -0.5,
+                                     window, k_scale=0.25, v_scale=0.5)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_fp8_widening_is_exact_for_every_code():
+    """Each finite e4m3 code (subnormals, ±448) as the only V of a one-token row comes back as its value."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    vc = torch.zeros(len(codes), BS, 1, 16, dtype=torch.uint8)
+    vc[:, 0, 0, 0] = codes
+    vc8 = vc.view(FP8).to(DEVICE)
+    n = len(codes)
+    got = paged_attention(torch.zeros(n, 1, 16, device=DEVICE), torch.zeros_like(vc8), vc8,
+                          torch.arange(n, dtype=torch.int32, device=DEVICE)[:, None],
+                          torch.ones(n, dtype=torch.int32, device=DEVICE),
+                          torch.arange(n + 1, dtype=torch.int32, device=DEVICE), 1, 1.0)
+    assert torch.equal(got[:, 0, 0].cpu(), codes.view(FP8).float())

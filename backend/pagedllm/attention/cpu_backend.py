@@ -5,7 +5,8 @@ backend writes them with its own store kernel. One kernel call per layer serves 
 row is one query token, and a prefill token at position p is treated as a decode row whose context is its
 row's first p + 1 tokens (this step's K/V are stored first, so they are there). Whole fresh prompts go to
 torch's fused causal SDPA instead (see _StepPlan). Measured faster than the torch backend for decodes and
-prefills alike (perf/attention_share.py).
+prefills alike (perf/attention_share.py). An fp8 cache (with a bf16 model) is read by the same kernel, its bytes
+widened to bf16 pairs as they load.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, is_fp8, round_trip
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -36,25 +38,31 @@ class CpuAttention:
             raise RuntimeError(f"a CPU kernel; the engine runs on {device}")
         self._kernel.load_kernel()
 
-    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        self._layout.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+    def store_kv(self, k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
+        self._layout.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping, scales.k, scales.v)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                softcap: float | None = None):
+                softcap: float | None = None, kv_scales: KVScales = UNIT_SCALES):
         if softcap is not None:
             raise NotImplementedError(f"{self.name}: attention-logit soft-capping is not supported")
-        self.store_kv(k, v, kv_cache, meta.slot_mapping)
+        if is_fp8(kv_cache) and q.dtype != torch.bfloat16:
+            raise NotImplementedError(f"{self.name}: an fp8 KV cache needs a bfloat16 model, not {q.dtype}")
+        self.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         key = ("cpu_plan", sliding_window)
         plan = meta.backend_cache.get(key)
         if plan is None:  # the first layer of the step
             plan = meta.backend_cache[key] = _StepPlan.of(meta, q.shape[0], sliding_window, q.device)
-        attend = self._kernel.paged_attention
+        def attend(queries):
+            return self._kernel.paged_attention(queries, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale,
+                                                sliding_window, kv_scales.k, kv_scales.v)
+
         if not plan.fresh_rows:
-            return attend(q, kv_cache[0], kv_cache[1], plan.tables, plan.lens, scale, sliding_window)
+            return attend(q)
         out = torch.empty_like(q)
         if plan.kernel_tokens.numel():
-            out[plan.kernel_tokens] = attend(q[plan.kernel_tokens], kv_cache[0], kv_cache[1], plan.tables,
-                                             plan.lens, scale, sliding_window)
+            out[plan.kernel_tokens] = attend(q[plan.kernel_tokens])
+        if is_fp8(kv_cache):  # fresh prompts attend to their own K/V as the cache holds them
+            k, v = round_trip(k, kv_scales.k), round_trip(v, kv_scales.v)
         for s, e in plan.fresh_rows:
             # [1, heads, tokens, head_dim] views: SDPA takes its fused CPU path only for 4-D inputs.
             qr, kr, vr = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))

@@ -1,7 +1,7 @@
 """Attention backend selection.
 
 `auto` builds every backend made for the engine's device, runs each on a mixed decode/prefill batch with the
-model's real shapes (heads, KV heads, head dim, block size, dtype, device), checks its output against the torch
+model's real shapes (heads, KV heads, head dim, block size, dtype, cache dtype, device), checks its output against the torch
 reference, and keeps the fastest correct one. An explicit name skips the race but is still checked; a backend
 that cannot be built, fails, or is wrong is reported and replaced by the torch reference: never a crash.
 Each engine races anew (a few milliseconds on CPU): nothing is kept between engines.
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.attention.kv_quant import FP8, UNIT_SCALES, KVScales
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttention
 
@@ -50,6 +51,15 @@ class ProbeShape:
     sliding_window: int | None = None
     device: str = "cpu"
     softcap: float | None = None  # soft-capped scores: only the torch backend has them
+    kv_dtype: torch.dtype | None = None  # the cache's elements (None: dtype); fp8 is probed with non-unit scales
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_scales(self) -> KVScales:
+        return KVScales(0.5, 0.25) if self.cache_dtype == FP8 else UNIT_SCALES
 
 
 @dataclass
@@ -141,10 +151,10 @@ def _make_probe(s: ProbeShape) -> dict:
 
 def _filled_cache(backend, p: dict, s: ProbeShape) -> torch.Tensor:
     """A cache holding every context token, written by the backend itself (it owns the layout in a block)."""
-    cache = torch.zeros(2, p["num_blocks"], s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+    cache = torch.zeros(2, p["num_blocks"], s.block_size, s.num_kv_heads, s.head_dim, dtype=s.cache_dtype,
                         device=s.device)
     with torch.inference_mode():
-        backend.store_kv(p["ctx_k"], p["ctx_v"], cache, p["ctx_slots"])
+        backend.store_kv(p["ctx_k"], p["ctx_v"], cache, p["ctx_slots"], s.kv_scales)
     return cache
 
 
@@ -157,7 +167,8 @@ def _run(backend, p: dict, s: ProbeShape, cache: torch.Tensor) -> torch.Tensor:
         max_query_len=max(p["q_lens"]), seq_lens_list=p["ctx"], num_decodes=8, block_size=s.block_size,
         backend=backend)
     with torch.inference_mode():
-        return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window, s.softcap)
+        return backend.forward(p["q"], p["k"], p["v"], cache, meta, s.head_dim ** -0.5, s.sliding_window, s.softcap,
+                               s.kv_scales)
 
 
 def _time(backend, p: dict, s: ProbeShape, cache: torch.Tensor, repeats: int = 10) -> float:

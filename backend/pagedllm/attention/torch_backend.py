@@ -6,11 +6,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize, round_trip
 from pagedllm.attention.metadata import AttentionMetadata
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             scales: KVScales = UNIT_SCALES) -> None:
     kvh, d = k.shape[1], k.shape[2]
+    if is_fp8(kv_cache):  # torch has no index_copy_ for float8 on CPU: copy the bytes
+        as_bytes(kv_cache[0]).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(quantize(k, scales.k)))
+        as_bytes(kv_cache[1]).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(quantize(v, scales.v)))
+        return
     kv_cache[0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
@@ -53,6 +59,26 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor 
     return g.view(rows, nb * bs, kvh, d)
 
 
+class _Gather:
+    """One layer's reads of its cache in a step: blocks gathered into reusable buffers, and for an fp8 cache
+    turned back into the query's dtype."""
+
+    def __init__(self, ws: Workspace, kv_cache: torch.Tensor, scales: KVScales, like: torch.Tensor) -> None:
+        self.ws, self.kv_cache, self.scales, self.like = ws, kv_cache, scales, like
+
+    def __call__(self, which: int, name: str, block_table: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_cache[which]
+        rows, nb = block_table.shape
+        shape = (rows, nb * cache.shape[1], *cache.shape[2:])
+        if not is_fp8(cache):
+            return gather_kv(cache, block_table, self.ws.get(name, shape, self.like))
+        raw = gather_kv(as_bytes(cache), block_table, self.ws.get(name + "8", shape, as_bytes(cache)))
+        out = self.ws.get(name, shape, self.like)
+        out.copy_(raw.view(cache.dtype))
+        scale = self.scales.k if which == 0 else self.scales.v
+        return out if scale == 1.0 else out.mul_(scale)
+
+
 class TorchAttention:
     name = "torch"
 
@@ -61,45 +87,48 @@ class TorchAttention:
         self.softcap: float | None = None  # this forward call's (set per call; layers may differ)
 
     @staticmethod
-    def store_kv(k, v, kv_cache, slot_mapping) -> None:
-        store_kv(k, v, kv_cache, slot_mapping)
+    def store_kv(k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
+        store_kv(k, v, kv_cache, slot_mapping, scales)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None, softcap: float | None = None,
+                kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         self.softcap = softcap
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        if is_fp8(kv_cache):  # fresh prompts attend to their own K/V as the cache holds them
+            k, v = round_trip(k, kv_scales.k), round_trip(v, kv_scales.v)
+        gather = _Gather(self.ws, kv_cache, kv_scales, q)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
+            out[:nd] = self._decode(q[:nd], gather, meta, scale, sliding_window)
         for row in range(nd, meta.num_rows):
             s, e = meta.query_start_loc[row], meta.query_start_loc[row + 1]
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta, row, scale, sliding_window)
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], gather, meta, row, scale, sliding_window)
         return out
 
-    def _decode(self, q, kv_cache, meta, scale, window):
+    def _decode(self, q, gather, meta, scale, window):
         """Decode rows, in a few groups of neighbouring context lengths (the runner orders decode rows by
         length): each group is gathered padded only to its own longest row."""
         nd = meta.num_decodes
         groups = min(_DECODE_GROUPS, max(1, nd // _MIN_GROUP_ROWS))
         bounds = [nd * g // groups for g in range(groups + 1)]
         if groups == 1:
-            return self._decode_rows(q, kv_cache, meta, 0, nd, scale, window)
+            return self._decode_rows(q, gather, meta, 0, nd, scale, window)
         out = torch.empty_like(q)
         for a, b in zip(bounds, bounds[1:]):
-            out[a:b] = self._decode_rows(q[a:b], kv_cache, meta, a, b, scale, window)
+            out[a:b] = self._decode_rows(q[a:b], gather, meta, a, b, scale, window)
         return out
 
-    def _decode_rows(self, q, kv_cache, meta, a, b, scale, window):
+    def _decode_rows(self, q, gather, meta, a, b, scale, window):
         """Rows a..b at once: gather their blocks (padded to the longest), mask the padding."""
-        n, bs = b - a, meta.block_size
+        bs = meta.block_size
         nb = -(-max(meta.seq_lens_list[a:b]) // bs)
         bt = meta.block_tables[a:b, :nb]
-        kvh, d = kv_cache.shape[-2], kv_cache.shape[-1]
         L = nb * bs
         # [n, L, KVH, D] gathered; SDPA reads it through a transposed view: no copy into [n, KVH, L, D].
-        keys = gather_kv(kv_cache[0], bt, self.ws.get("keys", (n, L, kvh, d), q)).transpose(1, 2)
-        vals = gather_kv(kv_cache[1], bt, self.ws.get("vals", (n, L, kvh, d), q)).transpose(1, 2)
+        keys = gather(0, "keys", bt).transpose(1, 2)
+        vals = gather(1, "vals", bt).transpose(1, 2)
         pos = torch.arange(L, device=q.device)
         lens = meta.seq_lens[a:b, None]
         mask = pos[None, :] < lens
@@ -108,15 +137,14 @@ class TorchAttention:
         o = self._attend(q.unsqueeze(2), keys, vals, mask[:, None, None, :], scale)
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, kv_cache, meta, row, scale, window):
+    def _prefill(self, q, k, v, gather, meta, row, scale, window):
         ctx, qlen, bs = meta.seq_lens_list[row], q.shape[0], meta.block_size
         if ctx == qlen:  # nothing cached before this chunk: attend over the fresh k/v directly
             keys, vals = k, v
         else:
-            nb = -(-ctx // bs)
-            bt = meta.block_tables[row, :nb]
-            keys = gather_kv(kv_cache[0], bt[None], self.ws.get("pk", (nb * bs, *k.shape[1:]), k))[0, :ctx]
-            vals = gather_kv(kv_cache[1], bt[None], self.ws.get("pv", (nb * bs, *k.shape[1:]), k))[0, :ctx]
+            bt = meta.block_tables[row, :-(-ctx // bs)]
+            keys = gather(0, "pk", bt[None])[0, :ctx]
+            vals = gather(1, "pv", bt[None])[0, :ctx]
         qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
         if window is None and ctx == qlen and self.softcap is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,8 +1,12 @@
 """Attention through our Triton kernels (pagedllm_kernels): KV store, then one paged-attention launch for
-the whole mixed batch."""
+the whole mixed batch. Into an fp8 cache, K/V are rounded by torch's float8 conversion first and the store
+kernel copies the bytes; the attention kernel widens them as it reads."""
 
 from __future__ import annotations
 
+import torch
+
+from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -16,13 +20,17 @@ class TritonAttention:
         self._kv_store = kv_store
         self._paged_attention = paged_attention
 
-    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
+    def store_kv(self, k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
+        if is_fp8(kv_cache):
+            k, v = as_bytes(quantize(k, scales.k)), as_bytes(quantize(v, scales.v))
+            kv_cache = as_bytes(kv_cache)
         self._kv_store(k, v, kv_cache[0], kv_cache[1], slot_mapping)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
-                softcap: float | None = None):
+                softcap: float | None = None, kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         if softcap is not None:
             raise NotImplementedError(f"{self.name}: attention-logit soft-capping is not supported")
-        self.store_kv(k, v, kv_cache, meta.slot_mapping)
+        self.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         return self._paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc_t, meta.max_query_len, scale, sliding_window)
+                                     meta.query_start_loc_t, meta.max_query_len, scale, sliding_window,
+                                     k_scale=kv_scales.k, v_scale=kv_scales.v)

@@ -112,7 +112,7 @@ class LLMEngine:
         cc = dataclasses.replace(cc, kv_cache_memory_bytes=budget, gpu_memory_utilization=None)
         self.config = dataclasses.replace(self.config, cache=cc)
         model = self.executor.model  # rank 0's shard: its KV heads are what one rank's budget holds
-        num_blocks = KVGeometry.of(model).num_blocks(budget, cc.block_size, info.dtype)
+        num_blocks = KVGeometry.of(model).num_blocks(budget, cc.block_size, info.kv_dtype)
         check_room_for_one_request(num_blocks, budget, cc.block_size, info.max_model_len)
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < info.max_model_len:
             raise ValueError("max_num_batched_tokens: must be >= max_model_len when chunked prefill is off")
@@ -128,10 +128,10 @@ class LLMEngine:
         window = next((layer.self_attn.sliding_window for layer in model.model.layers
                        if layer.self_attn.sliding_window), None)  # and a sliding window, if a layer has one
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype, window,
-                           info.device, getattr(attn, "softcap", None))
+                           info.device, getattr(attn, "softcap", None), info.kv_dtype)
         with self.startup.phase("attention backend selection"):
             self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
-        with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens"):
+        with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens, {info.kv_dtype}"):
             self.executor.init_cache(num_blocks, self.backend)
         return num_blocks
 

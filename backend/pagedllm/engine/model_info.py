@@ -22,13 +22,16 @@ class ModelInfo:
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    kv_dtype: torch.dtype  # the KV cache's elements: the model's dtype, or float8_e4m3fn
 
     @classmethod
     def resolve(cls, config: EngineConfig, tokenizer) -> ModelInfo:
         hf = load_config(config.model)
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(hf, _resolve_dtype(config.dtype, hf, device), device, _resolve_max_model_len(config, hf),
-                   frozenset(eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size)
+        dtype = _resolve_dtype(config.dtype, hf, device)
+        kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        return cls(hf, dtype, device, _resolve_max_model_len(config, hf),
+                   frozenset(eos_token_ids(config.model, hf, tokenizer)), hf.vocab_size, kv_dtype)
 
     @property
     def architecture(self) -> str:

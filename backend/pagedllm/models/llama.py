@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.kv_quant import UNIT_SCALES
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.models.layers.fused import fused_for
 from pagedllm.models.layers.linear import MergedLinear
@@ -30,6 +31,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
         self.softcap: float | None = None  # attention-logit soft-capping (Gemma 2)
+        self.kv_scales = UNIT_SCALES  # an fp8 cache's per-tensor scales (the loader sets a checkpoint's)
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -46,7 +48,8 @@ class Attention(nn.Module):
         cos, sin = rope
         fused = fused_for(self.fused_ops, q)
         q, k = apply_rotary(q, cos, sin, fused), apply_rotary(k, cos, sin, fused)
-        o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
+        o = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap,
+                                 self.kv_scales)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -15,11 +15,16 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagedllm.attention.kv_quant import KVScales
 from pagedllm.models.checkpoint import gguf_file
 from pagedllm.models.gguf_checkpoint import gguf_tensors
 from pagedllm.models.registry import resolve_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An fp8-KV checkpoint's per-tensor scales of a layer's K and V, as llm-compressor and vLLM name them (and
+# compressed-tensors' older output scales of k_proj / v_proj; AutoFP8's one kv_scale for both).
+_KV_SCALE_SUFFIXES = {".k_scale": "k", ".v_scale": "v", ".k_proj.output_scale": "k", ".v_proj.output_scale": "v",
+                      ".kv_scale": "kv"}
 
 
 def checkpoint_files(model_dir: str) -> tuple[str, list[str]]:
@@ -61,6 +66,8 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
     for name, ckpt in _checkpoint_tensors(model_dir, model.config):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
+        if _load_kv_scale(modules, name, ckpt):
+            continue
         target, shard = model.checkpoint_name(name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
@@ -90,6 +97,31 @@ def _load_one(params, modules, name: str, target: str, shard: int | None, ckpt) 
             raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
         param.data.copy_(ckpt[:])
     return target if shard is None else f"{target}#{shard}"
+
+
+def _load_kv_scale(modules, name: str, ckpt) -> bool:
+    """A layer's K or V cache scale into its attention module's kv_scales; False if `name` is not one."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            attention = modules.get(name[: -len(suffix)].removesuffix(".self_attn") + ".self_attn")
+            if attention is None or not hasattr(attention, "kv_scales"):
+                raise ValueError(f"checkpoint tensor {name!r}: no attention layer takes a KV cache scale there")
+            value = float(ckpt[...].float().reshape(-1)[0]) if _numel(ckpt) == 1 else None
+            if value is None or not value > 0:
+                raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be one positive number")
+            k = value if which in ("k", "kv") else attention.kv_scales.k
+            v = value if which in ("v", "kv") else attention.kv_scales.v
+            attention.kv_scales = KVScales(k, v)
+            return True
+    return False
+
+
+def _numel(ckpt) -> int:
+    shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _checkpoint_tensors(model_dir: str, hf_config):

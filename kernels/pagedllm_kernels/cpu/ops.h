@@ -7,10 +7,12 @@
 #include <optional>
 
 // paged_attention.cpp: one query token per row (a decode token, or a prefill token over its own prefix).
+// An fp8 cache's values are its elements times k_scale / v_scale (1.0 for other caches).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, double scale, int64_t window);
-// kv_store.cpp
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+                              torch::Tensor seq_lens, double scale, int64_t window, double k_scale, double v_scale);
+// kv_store.cpp: into an fp8 cache, k / k_scale and v / v_scale, rounded to e4m3 and clamped to +-448.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+              double k_scale, double v_scale);
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

@@ -1,6 +1,6 @@
 // Paged attention for CPUs with AVX-512 (and AVX512-BF16): one query token per row (a decode token, or a prefill
 // token attending to its own prefix), K/V read in place through the block table in the layout of kv_layout.h,
-// online softmax block by block, fp32 accumulation.
+// online softmax block by block, fp32 accumulation. An fp8 (e4m3) cache is read as bf16 pairs with a bf16 query.
 // Each KV head's query heads (GQA) are served from one pass over that KV head's contiguous run in each block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -44,16 +45,30 @@ struct Units<at::BFloat16> {
   }
 };
 
+// 16 of the cache's units in the query's format: the query's own dtype loads as it is; an fp8 cache's 32 elements
+// become bf16 pairs of the same values (simd.h), the per-tensor scales folded into the score scale and the
+// output's normalisation.
+template <typename T, typename C>
+struct CacheUnits {
+  static_assert(std::is_same_v<T, C>, "a cache of another dtype than the query's is fp8 with a bf16 query");
+  static __m512 load(const C* p) { return Units<T>::load(p); }
+};
+template <>
+struct CacheUnits<at::BFloat16, c10::Float8_e4m3fn> {
+  static __m512 load(const c10::Float8_e4m3fn* p) { return pagedllm::fp8x32_to_bf16(p); }
+};
+
 // Unscaled scores of NG query heads for the 16 tokens c..c+15 of one (block, KV head) K run.
 // Two accumulators per head (even and odd units) halve the dependency chains.
-template <typename T, int U, int NG>
-inline void scores16(const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+template <typename T, typename C, int U, int NG>
+inline void scores16(const T* const* qh, const C* kb, int64_t block_size, int64_t c, __m512* s) {
   constexpr int P = kUnit<T>;
+  static_assert(kUnit<C> == P, "the cache's units hold as many elements as the query's");
   __m512 even[NG], odd[NG];
   for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
   for (int j = 0; j < U; j += 2) {
-    const __m512 k0 = Units<T>::load(kb + (j * block_size + c) * P);
-    const __m512 k1 = Units<T>::load(kb + ((j + 1) * block_size + c) * P);
+    const __m512 k0 = CacheUnits<T, C>::load(kb + (j * block_size + c) * P);
+    const __m512 k1 = CacheUnits<T, C>::load(kb + ((j + 1) * block_size + c) * P);
     for (int g = 0; g < NG; ++g) {
       even[g] = Units<T>::dot(even[g], k0, Units<T>::broadcast(qh[g] + j * P));
       odd[g] = Units<T>::dot(odd[g], k1, Units<T>::broadcast(qh[g] + (j + 1) * P));
@@ -65,17 +80,17 @@ inline void scores16(const T* const* qh, const T* kb, int64_t block_size, int64_
 // acc[g] += sum over units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in registers.
 // keep_first/keep_last mask the elements of the edge units that belong to tokens outside the live range
 // (their probabilities are 0, but the cache there may hold anything, even NaN).
-template <typename T, int CH, int NG>
-inline void weighted_values(const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+template <typename T, typename C, int CH, int NG>
+inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
                             __mmask32 keep_first, __mmask32 keep_last) {
   constexpr int P = kUnit<T>, D = 16 * CH;
   __m512 a[NG][CH];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
   for (int64_t u = u0; u < u1; ++u) {
-    const T* vr = vb + u * D * P;
+    const C* vr = vb + u * D * P;
     __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = Units<T>::load(vr + 16 * c * P);
+    for (int c = 0; c < CH; ++c) vv[c] = CacheUnits<T, C>::load(vr + 16 * c * P);
     const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
     if (keep != ~0u)
       for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
@@ -89,18 +104,18 @@ inline void weighted_values(const T* vb, T* const* probs, float* const* acc, int
 }
 
 // The two passes for a run-time head count ng <= NG (templates need it at compile time).
-template <typename T, int U, int NG>
-inline void scores16_for(int ng, const T* const* qh, const T* kb, int64_t block_size, int64_t c, __m512* s) {
+template <typename T, typename C, int U, int NG>
+inline void scores16_for(int ng, const T* const* qh, const C* kb, int64_t block_size, int64_t c, __m512* s) {
   if constexpr (NG > 1)
-    if (ng < NG) return scores16_for<T, U, NG - 1>(ng, qh, kb, block_size, c, s);
-  scores16<T, U, NG>(qh, kb, block_size, c, s);
+    if (ng < NG) return scores16_for<T, C, U, NG - 1>(ng, qh, kb, block_size, c, s);
+  scores16<T, C, U, NG>(qh, kb, block_size, c, s);
 }
-template <typename T, int CH, int NG>
-inline void weighted_values_for(int ng, const T* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+template <typename T, typename C, int CH, int NG>
+inline void weighted_values_for(int ng, const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
                                 __mmask32 keep_first, __mmask32 keep_last) {
   if constexpr (NG > 1)
-    if (ng < NG) return weighted_values_for<T, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
-  weighted_values<T, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
+    if (ng < NG) return weighted_values_for<T, C, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
+  weighted_values<T, C, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
 }
 
 // Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
@@ -109,15 +124,18 @@ inline __mmask16 live_lanes(int64_t c, int64_t a, int64_t b) {
   return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
-template <typename T, int CH>
-void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+template <typename T, typename C, int CH>
+void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* seq_lens, T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t block_size, int64_t table_stride, float scale, int64_t window) {
+                  int64_t block_size, int64_t table_stride, float scale, int64_t window, float k_scale,
+                  float v_scale) {
   constexpr int64_t D = 16 * CH;
   constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
   constexpr int SB = 4;                 // query heads per scores pass
   constexpr int VB = CH <= 4 ? 4 : 2;   // query heads per values pass: VB * CH accumulators in registers
   const int64_t group = num_heads / num_kv_heads, run = block_size * D;
+  // The cache's values are its elements times these (1 for a cache of the query's dtype).
+  const float score_scale = scale * k_scale;
   // One work item: a row's KV heads k0..k1-1 (contiguous in every block) and the query heads reading them.
   auto attend = [&](int64_t row, int64_t k0, int64_t k1) {
     const int64_t served = (k1 - k0) * group;
@@ -147,7 +165,7 @@ void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
         const int64_t next = (table[idx + 1] * num_kv_heads + k0) * run;
         const char* kn = reinterpret_cast<const char*>(k_cache + next);
         const char* vn = reinterpret_cast<const char*>(v_cache + next);
-        for (int64_t off = 0; off < (k1 - k0) * run * static_cast<int64_t>(sizeof(T)); off += 64) {
+        for (int64_t off = 0; off < (k1 - k0) * run * static_cast<int64_t>(sizeof(C)); off += 64) {
           _mm_prefetch(kn + off, _MM_HINT_T0);
           _mm_prefetch(vn + off, _MM_HINT_T0);
         }
@@ -157,16 +175,16 @@ void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
       // bf16: an edge unit (a token pair) may hold a token outside [a, b): keep only the live one's elements.
       const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
       for (int64_t kvh = k0; kvh < k1; ++kvh) {
-        const T* kb = k_cache + base + (kvh - k0) * run;
-        const T* vb = v_cache + base + (kvh - k0) * run;
+        const C* kb = k_cache + base + (kvh - k0) * run;
+        const C* vb = v_cache + base + (kvh - k0) * run;
         const int64_t hq = (kvh - k0) * group;  // this KV head's first query head among those served
         for (int64_t h0 = 0; h0 < group; h0 += SB) {
           const int ng = static_cast<int>(std::min<int64_t>(SB, group - h0));
           for (int64_t c = c0; c < b; c += 16) {
             __m512 s[SB];
-            scores16_for<T, U, SB>(ng, qh + hq + h0, kb, block_size, c, s);
+            scores16_for<T, C, U, SB>(ng, qh + hq + h0, kb, block_size, c, s);
             for (int g = 0; g < ng; ++g)
-              _mm512_store_ps(scores[h0 + g] + c, _mm512_mul_ps(s[g], _mm512_set1_ps(scale)));
+              _mm512_store_ps(scores[h0 + g] + c, _mm512_mul_ps(s[g], _mm512_set1_ps(score_scale)));
           }
         }
         for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
@@ -196,14 +214,14 @@ void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
           _mm512_store_ps(denom[h], sum);
         }
         for (int64_t h0 = 0; h0 < group; h0 += VB)
-          weighted_values_for<T, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
+          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
                                          acc_h + hq + h0, u0, u1, keep_first, keep_last);
       }
     }
     for (int64_t h = 0; h < served; ++h) {
       T* o = out + (row * num_heads + k0 * group + h) * D;
       const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[h]));
-      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? v_scale / sum : 0.0f);
       for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
     }
   };
@@ -221,14 +239,15 @@ void attend_items(const T* q, int64_t q_stride, const T* k_cache, const T* v_cac
   }
 }
 
-template <typename T>
-void dispatch_head_dim(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables,
+template <typename T, typename C>
+void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* tables,
                        const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t table_stride, float scale, int64_t window) {
+                       int64_t block_size, int64_t table_stride, float scale, int64_t window, float k_scale,
+                       float v_scale) {
 #define PAGEDLLM_CASE(CH)                                                                                    \
   case 16 * CH:                                                                                              \
-    return attend_items<T, CH>(q, q_stride, k, v, tables, lens, out, rows, heads, kv_heads, block_size,       \
-                               table_stride, scale, window);
+    return attend_items<T, C, CH>(q, q_stride, k, v, tables, lens, out, rows, heads, kv_heads, block_size,    \
+                                  table_stride, scale, window, k_scale, v_scale);
   switch (head_dim) {
     PAGEDLLM_CASE(2)
     PAGEDLLM_CASE(4)
@@ -243,17 +262,20 @@ void dispatch_head_dim(const T* q, int64_t q_stride, const T* k, const T* v, con
 }  // namespace
 
 // q [rows, H, D] (rows may be strided); k_cache, v_cache [blocks, block_size, KVH, D] contiguous, in the
-// layout of kv_layout.h; block_tables [rows, max_blocks] int64; seq_lens [rows] int64 (context length
-// including the query token); window <= 0: none. Returns [rows, H, D] in q's dtype.
+// layout of kv_layout.h, of q's dtype or (with a bf16 q) float8_e4m3fn; block_tables [rows, max_blocks] int64;
+// seq_lens [rows] int64 (context length including the query token); window <= 0: none. Returns [rows, H, D] in
+// q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, double scale, int64_t window) {
+                              torch::Tensor seq_lens, double scale, int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [rows, heads, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the cache must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() || (fp8 && q.scalar_type() == at::kBFloat16)),
+              "the caches must be q's dtype, or float8_e4m3fn with a bfloat16 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   seq_lens.is_contiguous() && block_tables.stride(1) == 1,
               "block_tables and seq_lens must be int64 (block_tables row-major)");
@@ -264,18 +286,26 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "heads must be a multiple of kv_heads, at most 16 per KV head and 128 in all");
   TORCH_CHECK(block_size % 16 == 0 && block_size <= kMaxBlock, "block_size must be 16, 32, 48 or 64");
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "scales must be positive");
   auto out = torch::empty({rows, heads, head_dim}, q.options());
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float s = static_cast<float>(scale), ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                             block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                             rows, heads, kv_heads, head_dim, block_size, block_tables.stride(0),
-                             static_cast<float>(scale), window);
+    dispatch_head_dim<float, float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
+                                    v_cache.data_ptr<float>(), tables, lens, out.data_ptr<float>(), rows, heads,
+                                    kv_heads, head_dim, block_size, block_tables.stride(0), s, window, 1.0f, 1.0f);
+  } else if (fp8) {
+    dispatch_head_dim<at::BFloat16, c10::Float8_e4m3fn>(
+        q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::Float8_e4m3fn>(),
+        v_cache.data_ptr<c10::Float8_e4m3fn>(), tables, lens, out.data_ptr<at::BFloat16>(), rows, heads, kv_heads,
+        head_dim, block_size, block_tables.stride(0), s, window, ks, vs);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
-    dispatch_head_dim<at::BFloat16>(q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(),
-                                    v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),
-                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), rows, heads, kv_heads,
-                                    head_dim, block_size, block_tables.stride(0), static_cast<float>(scale), window);
+    dispatch_head_dim<at::BFloat16, at::BFloat16>(
+        q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+        tables, lens, out.data_ptr<at::BFloat16>(), rows, heads, kv_heads, head_dim, block_size,
+        block_tables.stride(0), s, window, 1.0f, 1.0f);
   }
   return out;
 }

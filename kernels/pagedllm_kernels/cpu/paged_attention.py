@@ -22,10 +22,11 @@ def load_kernel() -> None:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-    """q [rows, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py);
-    block_tables [rows, >= ceil(len/bs)] int64; seq_lens [rows] int64 (including the query token).
-    Returns [rows, H, D] in q's dtype."""
+                    seq_lens: torch.Tensor, scale: float, window: int | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q [rows, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py), of q's dtype or
+    float8_e4m3fn (with a bf16 q; values = elements * k_scale / v_scale); block_tables [rows, >= ceil(len/bs)]
+    int64; seq_lens [rows] int64 (including the query token). Returns [rows, H, D] in q's dtype."""
     if q.device.type != "cpu":
         raise ValueError("paged_attention is a CPU kernel")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
@@ -37,18 +38,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     return extension().paged_attention(q, k_cache, v_cache, block_tables.long(), seq_lens.long().contiguous(),
-                                       float(scale), window or 0)
+                                       float(scale), window or 0, float(k_scale), float(v_scale))
 
 
-def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None, k_scale=1.0,
+              v_scale=1.0) -> torch.Tensor:
     """Row by row: gather the row's blocks, attend with SDPA in fp32. Caches in the plain layout."""
     bs = k_cache.shape[1]
     out = torch.empty_like(q)
     for r in range(q.shape[0]):
         n = int(seq_lens[r])
         blocks = block_tables[r, :-(-n // bs)]
-        k = k_cache[blocks].flatten(0, 1)[:n].float()
-        v = v_cache[blocks].flatten(0, 1)[:n].float()
+        k = k_cache[blocks].flatten(0, 1)[:n].float() * k_scale
+        v = v_cache[blocks].flatten(0, 1)[:n].float() * v_scale
         first = max(0, n - window) if window else 0
         k, v = k[first:], v[first:]
         o = F.scaled_dot_product_attention(q[r, :, None].float(), k.transpose(0, 1), v.transpose(0, 1),

