@@ -30,6 +30,16 @@ def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
     return path
 
 
+def int4_model_dir(arch: str, size: str, method: str) -> str:
+    """Make (once) and return the perf model quantized to int4 (AWQ, or symmetric GPTQ), group size 128."""
+    from pagedllm.models.quantization.tiny_checkpoints import make_int4_checkpoint
+
+    path = os.path.join(OUT_DIR, "models", f"{arch}-{size}-{method}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_int4_checkpoint(model_dir(arch, size), path, method, 128, desc_act=False, sym=method == "gptq")
+    return path
+
+
 def random_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

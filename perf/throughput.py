@@ -7,7 +7,8 @@
         --engines pagedllm,pagedllm:kv_cache_dtype=fp8                  # a variant against the baseline
 
 An engine `pagedllm:KEY=VALUE[:KEY=VALUE]` is pagedllm with those engine arguments: its cells are also shown
-as a ratio to plain `pagedllm`, with both footprints (weight bytes, KV bytes per token).
+as a ratio to plain `pagedllm`, with both footprints (weight bytes, KV bytes per token). `checkpoint=awq` (or
+gptq) runs the model quantized to int4 from the same dense weights (common.int4_model_dir).
 
 The grid: models 19m (Llama, 4 layers), 125m (Llama, 12 layers) and 0.5b (Qwen2 shapes, 24 layers, 2 KV
 heads) in bf16; prompts of 32-256 ("short") or 1,000-2,000 ("long") random tokens; 128 or 512 greedy
@@ -38,7 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import emit, model_dir, random_workload
+from common import emit, int4_model_dir, model_dir, random_workload
 
 PROMPTS = {"short": (32, 256), "long": (1000, 2000)}
 MODELS = {"19m": ("llama", "small"), "125m": ("llama", "125m"), "0.5b": ("qwen2", "0.5b"),
@@ -49,10 +50,12 @@ WORKER = Path(__file__).with_name("offline_worker.py")
 class Worker:
     """One engine in its own process, holding one model, timing the cells it is sent."""
 
-    def __init__(self, label: str, model: str, dtype: str, kv_gib: int) -> None:
+    def __init__(self, label: str, model: str, dtype: str, kv_gib: int, quantized=None) -> None:
         self.engine = label
         engine, *pairs = label.split(":")
         options = {k: _value(v) for k, v in (p.split("=", 1) for p in pairs)}
+        if "checkpoint" in options:
+            model = quantized(options.pop("checkpoint"))
         if engine == "vllm":
             from vllm_env import ensure_vllm, peer_env
 
@@ -101,7 +104,8 @@ def main() -> None:
         arch, shape = MODELS[size]
         path = model_dir(arch, shape, args.dtype)
         vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-        workers = [Worker(e, path, args.dtype, args.kv_gib) for e in engines]
+        workers = [Worker(e, path, args.dtype, args.kv_gib, lambda method: int4_model_dir(arch, shape, method))
+                   for e in engines]
         for w in workers:
             if "weight_bytes" in w.ready:
                 emit({"model": size, "engine": w.engine, "weight_mib": round(w.ready["weight_bytes"] / 2**20, 1),

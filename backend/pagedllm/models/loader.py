@@ -69,6 +69,8 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
         if _load_kv_scale(modules, name, ckpt):
             continue
         target, shard = model.checkpoint_name(name)
+        if target not in params and _zero_bias_to_skip(modules, target, ckpt):
+            continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         sizes = splits.get(target.rsplit(".", 2)[-2]) if shard is None else None
@@ -97,6 +99,13 @@ def _load_one(params, modules, name: str, target: str, shard: int | None, ckpt) 
             raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
         param.data.copy_(ckpt[:])
     return target if shard is None else f"{target}#{shard}"
+
+
+def _zero_bias_to_skip(modules, target: str, ckpt) -> bool:
+    """AutoGPTQ saves a bias for every projection, zeros where the model has none: those are skipped (as vLLM
+    does); a nonzero one is still an error."""
+    owner = modules.get(target.rsplit(".", 1)[0])
+    return target.endswith(".bias") and getattr(owner, "ignores_zero_bias", False) and not ckpt[...].any()
 
 
 def _load_kv_scale(modules, name: str, ckpt) -> bool:

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate-half layout)");
   m.def("amx_linear", &amx_linear, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
   m.def("amx_unpack_weight", &amx_unpack_weight, "the plain [N, K] weight back from amx_linear's packing");
+  m.def("int4_linear", &int4_linear, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
+  m.def("int4_dequantize", &int4_dequantize, "the bf16 [N, K] weight of an int4_layout.py weight");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
   m.def("lora_delta_", &lora_delta_, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");

@@ -17,7 +17,10 @@ from pagedllm.distributed.tensor_parallel import shard_model
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
 from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
+from pagedllm.models.layers.int4_linear import finish_int4, replace_with_int4
+from pagedllm.models.layers.moe import FusedMoE
 from pagedllm.models.layers.packed_linear import pack_linears
+from pagedllm.models.quantization.config import read_quantization_config
 from pagedllm.models.loader import build_model, load_weights
 from pagedllm.models.lora.layers import LoRAModel
 
@@ -46,10 +49,19 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
     if fallback and ((group is not None and group.world_size > 1) or spec.max_loras):
         raise ValueError(f"{hf_config.architectures[0]} runs through the transformers fallback, which supports "
                          "neither tensor parallelism nor LoRA")
+    int4 = read_quantization_config(hf_config)
+    if int4 is not None:
+        if fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
+                any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise ValueError(f"{int4.method} int4 checkpoints run on one rank, without LoRA, for the dense "
+                             "architectures pagedllm implements (not the transformers fallback or experts) for now")
+        replace_with_int4(model, int4)
     if group is not None and group.world_size > 1:
         with torch.device(device):
             shard_model(model, group)
     load_weights(model, spec.model, spec.dtype)
+    if int4 is not None:
+        finish_int4(model)
     model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank,
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     if not fallback:  # transformers' modules may read their linears' .weight
