@@ -30,13 +30,17 @@ def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
     return path
 
 
-def int4_model_dir(arch: str, size: str, method: str) -> str:
-    """Make (once) and return the perf model quantized to int4 (AWQ, or symmetric GPTQ), group size 128."""
-    from pagedllm.models.quantization.tiny_checkpoints import make_int4_checkpoint
+def quantized_model_dir(arch: str, size: str, kind: str) -> str:
+    """Make (once) and return the perf model quantized: "awq" or "gptq" (symmetric) int4, group size 128;
+    "fp8" (compressed-tensors, per-channel weights, dynamic per-token activations: llm-compressor's FP8_DYNAMIC)."""
+    from pagedllm.models.quantization.tiny_checkpoints import make_fp8_checkpoint, make_int4_checkpoint
 
-    path = os.path.join(OUT_DIR, "models", f"{arch}-{size}-{method}")
+    path = os.path.join(OUT_DIR, "models", f"{arch}-{size}-{kind}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_int4_checkpoint(model_dir(arch, size), path, method, 128, desc_act=False, sym=method == "gptq")
+        if kind == "fp8":
+            make_fp8_checkpoint(model_dir(arch, size), path, "compressed-tensors", "channel", "dynamic_token")
+        else:
+            make_int4_checkpoint(model_dir(arch, size), path, kind, 128, desc_act=False, sym=kind == "gptq")
     return path
 
 

@@ -13,8 +13,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_info.txt"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
     tests/engine/test_kv_budget.py tests/models/test_fp8_kv_cache.py::test_triton_kernel_and_torch_read_the_fp8_cache_alike \
+    tests/kernels/test_int4_kernels.py tests/kernels/test_fp8_weight_kernels.py tests/models/test_int4_oracle.py::test_fp32_matches_transformers_on_the_dequantized_twin \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 300 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"

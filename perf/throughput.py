@@ -8,7 +8,7 @@
 
 An engine `pagedllm:KEY=VALUE[:KEY=VALUE]` is pagedllm with those engine arguments: its cells are also shown
 as a ratio to plain `pagedllm`, with both footprints (weight bytes, KV bytes per token). `checkpoint=awq` (or
-gptq) runs the model quantized to int4 from the same dense weights (common.int4_model_dir).
+gptq) runs the model quantized to int4 from the same dense weights (common.quantized_model_dir).
 
 The grid: models 19m (Llama, 4 layers), 125m (Llama, 12 layers) and 0.5b (Qwen2 shapes, 24 layers, 2 KV
 heads) in bf16; prompts of 32-256 ("short") or 1,000-2,000 ("long") random tokens; 128 or 512 greedy
@@ -39,7 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import emit, int4_model_dir, model_dir, random_workload
+from common import emit, quantized_model_dir, model_dir, random_workload
 
 PROMPTS = {"short": (32, 256), "long": (1000, 2000)}
 MODELS = {"19m": ("llama", "small"), "125m": ("llama", "125m"), "0.5b": ("qwen2", "0.5b"),
@@ -104,7 +104,7 @@ def main() -> None:
         arch, shape = MODELS[size]
         path = model_dir(arch, shape, args.dtype)
         vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-        workers = [Worker(e, path, args.dtype, args.kv_gib, lambda method: int4_model_dir(arch, shape, method))
+        workers = [Worker(e, path, args.dtype, args.kv_gib, lambda method: quantized_model_dir(arch, shape, method))
                    for e in engines]
         for w in workers:
             if "weight_bytes" in w.ready:

@@ -249,6 +249,10 @@ class EngineConfig:
     # "auto": the native class of a registered architecture, else transformers' class with paged attention (the
     # fallback); "pagedllm": native classes only; "transformers": always the fallback (vLLM's model_impl)
     model_impl: str = "auto"
+    # "int8": a dense checkpoint's decoder projections quantized at load to W8A8 (int8 weights per output column,
+    # int8 activations per token at each call), on CPUs with AVX512-VNNI, as vLLM's CPU backend offers. None: as
+    # the checkpoint is (a quantized checkpoint is read from its own quantization_config).
+    quantization: str | None = None
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
     # A SpeculativeConfig, or the same as a dict (engine.json, LLM(...)): converted and validated on creation.
     speculative_config: SpeculativeConfig | None = None
@@ -273,6 +277,9 @@ class EngineConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be > 0")
         _require(self.model_impl in ("auto", "pagedllm", "transformers"), "model_impl",
                  f"must be auto, pagedllm or transformers, got {self.model_impl!r}")
+        _require(self.quantization in (None, "int8"), "quantization",
+                 f"must be int8 (W8A8 at load, on CPU) or unset, got {self.quantization!r}; a quantized checkpoint "
+                 "(AWQ, GPTQ, FP8) needs no setting")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",

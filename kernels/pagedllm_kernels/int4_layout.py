@@ -1,4 +1,4 @@
-"""The int4 weight layout our int4 kernels read (the CPU one in cpu/int4_linear.cpp, the Triton one in
+"""The int4 weight layout our int4 kernels read (the CPU one in cpu/quantized_linear.cpp, the Triton one in
 int4_matmul.py), made once at load from a checkpoint's codes, zeros and scales, and its torch reference.
 
     packed [N/16, K/2, 16] uint8   per tile of 16 output columns and pair of input rows (k, k + 1): one byte

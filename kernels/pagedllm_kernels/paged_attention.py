@@ -16,16 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm_kernels.e4m3 import e4m3_to_f32
+
 FP8 = torch.float8_e4m3fn
-
-
-@triton.jit
-def _e4m3_to_f32(bits):
-    """uint8 e4m3 codes -> their values: sign, exponent and mantissa moved into an fp16 (bias 15, not 7: the
-    fp16 is the value / 256), then widened."""
-    b = bits.to(tl.int16)
-    h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -69,8 +62,8 @@ def _paged_attention_kernel(
         block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
         kv_off = block_id * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
         if FP8_CACHE:
-            k = _e4m3_to_f32(tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * k_scale
-            v = _e4m3_to_f32(tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * v_scale
+            k = e4m3_to_f32(tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * k_scale
+            v = e4m3_to_f32(tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * v_scale
         else:
             k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
             v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)

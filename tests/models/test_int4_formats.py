@@ -80,8 +80,11 @@ def test_round_to_nearest_is_within_half_a_step(sym):
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "fp8"}, "quant_method 'fp8' is not supported"),
-    ({"quant_method": "compressed-tensors"}, "not supported"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "compressed-tensors"}, "0 config groups"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                                                "strategy": "group"}}}}, "weights"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit gptq"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),

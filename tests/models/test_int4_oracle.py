@@ -92,5 +92,5 @@ def test_bf16_kernel_agrees_with_transformers(checkpoints, arch, method, group, 
 
 def test_refusals_name_the_problem(checkpoints, model_dir, tmp_path):
     quantized, _ = checkpoints("llama", "awq", 128, False, False)
-    with pytest.raises(ValueError, match="int4 checkpoints run on one rank"):
+    with pytest.raises(ValueError, match="awq checkpoints run on one rank"):
         LLM(quantized, max_model_len=128, enable_lora=True)

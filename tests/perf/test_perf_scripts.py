@@ -21,7 +21,7 @@ def run(script, *args):
     ("throughput.py", ["--quick", "--engines", "pagedllm"], "steady_state_tokens_per_s"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
-    ("int4_linear.py", ["--rows", "1,9"], "kernel_over_bf16"),
+    ("quantized_linear.py", ["--rows", "1,9"], "fp8_over_bf16"),
     ("parallel_sampling.py", ["--quick"], "speedup_median"),
     ("lora.py", ["--quick"], "ratio_median"),
     ("lora.py", ["--deltas"], "speedup"),

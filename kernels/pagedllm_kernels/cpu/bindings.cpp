@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_unpack_weight", &amx_unpack_weight, "the plain [N, K] weight back from amx_linear's packing");
   m.def("int4_linear", &int4_linear, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
   m.def("int4_dequantize", &int4_dequantize, "the bf16 [N, K] weight of an int4_layout.py weight");
+  m.def("fp8_linear", &fp8_linear, "bf16 x @ W^T * s + b, W e4m3 (fp8_linear.py) widened in the matmul");
+  m.def("int8_linear", &int8_linear, "W8A8: x quantized per row, int8 W per column, AVX512-VNNI int32 sums");
+  m.def("fp8_round_input", &fp8_round_input, "x rounded to e4m3 at a static, per-row or per-tensor scale, and back");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
   m.def("lora_delta_", &lora_delta_, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");

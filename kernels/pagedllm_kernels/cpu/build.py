@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-           "-fopenmp"]
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile",
+           "-mamx-bf16", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
 
@@ -51,6 +51,12 @@ def amx_supported() -> tuple[bool, str]:
     either way; on CPUs without AMX it is simply never called."""
     missing = [f for f in ("amx_tile", "amx_bf16") if f not in _cpu_flags()]
     return (False, f"needs CPU features {', '.join(missing)}") if missing else cpu_supported()
+
+
+def vnni_supported() -> tuple[bool, str]:
+    """AVX512-VNNI int8 dot products (the int8 linear), on top of what every kernel here needs; like AMX, built
+    in either way and never called where the CPU lacks it."""
+    return (False, "needs CPU feature avx512_vnni") if "avx512_vnni" not in _cpu_flags() else cpu_supported()
 
 
 def cpu_supported() -> tuple[bool, str]:

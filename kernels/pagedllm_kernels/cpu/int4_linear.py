@@ -1,4 +1,4 @@
-"""Weight-only int4 linear for bf16 on AVX512-BF16 CPUs (the C++ in int4_linear.cpp): the weight stays packed
+"""Weight-only int4 linear for bf16 on AVX512-BF16 CPUs (the C++ in quantized_linear.cpp): the weight stays packed
 (int4_layout.py) and is dequantized inside the matmul, 16 columns x 2 input rows per pair dot product. Large
 batches are compute-bound, where oneDNN's bf16 matmul wins: `dequantize_into` writes the plain weight into a
 reused buffer for them (one pass over it per call, not a second copy of the model).

@@ -25,11 +25,17 @@ void mask_logits_(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmas
 void lora_delta_(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor tokens,
                  torch::Tensor group_start, torch::Tensor group_slot, torch::Tensor slot_rank,
                  torch::Tensor slice_offsets, int64_t max_rank);
-// int4_linear.cpp: weights in int4_layout.py's layout; bias float32.
+// quantized_linear.cpp: int4 weights in int4_layout.py's layout, fp8 ones in fp8_linear.py's; bias float32.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                           int64_t group_size, std::optional<torch::Tensor> bias);
 void int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size,
                      torch::Tensor out);
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                         std::optional<torch::Tensor> bias);
+torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_token);
+// int8_linear.cpp: W8A8, x quantized per row inside; weights in int8_linear.py's layout.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor wsum,
+                          std::optional<torch::Tensor> bias);
 // amx_linear.cpp
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
 void amx_unpack_weight(torch::Tensor packed, torch::Tensor out);

@@ -17,9 +17,10 @@ from pagedllm.distributed.tensor_parallel import shard_model
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
 from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
-from pagedllm.models.layers.int4_linear import finish_int4, replace_with_int4
+from pagedllm.models.layers.int8_linear import quantize_to_int8
 from pagedllm.models.layers.moe import FusedMoE
 from pagedllm.models.layers.packed_linear import pack_linears
+from pagedllm.models.layers.quantized_linears import finish_quantized_linears, replace_quantized_linears
 from pagedllm.models.quantization.config import read_quantization_config
 from pagedllm.models.loader import build_model, load_weights
 from pagedllm.models.lora.layers import LoRAModel
@@ -39,6 +40,7 @@ class WorkerSpec:
     max_lora_rank: int = 0
     model_impl: str = "auto"
     kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
+    quantization: str | None = None  # "int8": W8A8 made at load (EngineConfig.quantization)
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -49,19 +51,28 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
     if fallback and ((group is not None and group.world_size > 1) or spec.max_loras):
         raise ValueError(f"{hf_config.architectures[0]} runs through the transformers fallback, which supports "
                          "neither tensor parallelism nor LoRA")
-    int4 = read_quantization_config(hf_config)
-    if int4 is not None:
+    quantized = read_quantization_config(hf_config)
+    if spec.quantization is not None:
+        if quantized is not None:
+            raise ValueError(f"quantization={spec.quantization!r}: the checkpoint is already quantized "
+                             f"({quantized.method})")
+        if device != "cpu" or fallback or (group is not None and group.world_size > 1) or spec.max_loras:
+            raise ValueError("quantization='int8' runs on CPU, on one rank, without LoRA, for the architectures "
+                             "pagedllm implements, for now")
+    if quantized is not None:
         if fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
                 any(isinstance(m, FusedMoE) for m in model.modules()):
-            raise ValueError(f"{int4.method} int4 checkpoints run on one rank, without LoRA, for the dense "
+            raise ValueError(f"{quantized.method} checkpoints run on one rank, without LoRA, for the dense "
                              "architectures pagedllm implements (not the transformers fallback or experts) for now")
-        replace_with_int4(model, int4)
+        replace_quantized_linears(model, quantized)
     if group is not None and group.world_size > 1:
         with torch.device(device):
             shard_model(model, group)
     load_weights(model, spec.model, spec.dtype)
-    if int4 is not None:
-        finish_int4(model)
+    if quantized is not None:
+        finish_quantized_linears(model)
+    if spec.quantization == "int8":
+        quantize_to_int8(model)
     model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank,
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     if not fallback:  # transformers' modules may read their linears' .weight

@@ -1,9 +1,6 @@
-"""Weight-only int4 linear layers for AWQ and GPTQ checkpoints (models/quantization/).
-
-`replace_with_int4(model, config)` swaps the decoder's linears for `Int4Linear` before the weights load (the
-lm_head and embeddings stay dense, as the formats leave them); each takes its checkpoint tensors (qweight,
-qzeros, scales, g_idx; one set per fused shard) through the loader, and `finish_int4(model)` turns them into
-the kernels' layout (pagedllm_kernels/int4_layout.py) once all have arrived.
+"""Weight-only int4 linear layers for AWQ and GPTQ checkpoints (models/quantization/): each takes its
+checkpoint tensors (qweight, qzeros, scales, g_idx; one set per fused shard) through the loader, and `finish`
+turns them into the kernels' layout (pagedllm_kernels/int4_layout.py) once all have arrived.
 
 A step runs where the weight stays packed and is dequantized inside the matmul: our Triton kernel on a GPU, our
 C++ kernel for bf16 on CPU up to CPU_KERNEL_ROWS rows (decodes). Larger CPU batches are compute-bound: their
@@ -15,9 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pagedllm.models.layers.linear import MergedLinear
+from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Int4Config
 from pagedllm.models.quantization.int4_formats import Int4Weight, group_index, unpack_awq, unpack_gptq
 
@@ -37,69 +33,46 @@ class SharedBuffer:
         return self._data[:n * k].view(n, k)
 
 
-class Int4Linear(nn.Module):
-    ignores_zero_bias = True  # AutoGPTQ writes zero biases for bias-free projections (models/loader.py)
-
+class Int4Linear(StagedLinear):
     def __init__(self, in_features: int, out_features: int, output_sizes: list[int] | None, bias: bool,
                  config: Int4Config) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        if output_sizes is not None:
-            self.output_sizes = list(output_sizes)  # a fused layer: the loader hands it one shard at a time
-        self.config = config
         names = ["qweight", "qzeros", "scales"] + (["g_idx"] if config.method == "gptq" else [])
-        for name in names:  # placeholders the loader fills (their checkpoint tensors are kept until finish)
-            self.register_parameter(name, nn.Parameter(torch.empty(0), requires_grad=False))
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self._staged: dict[tuple[str, int | None], torch.Tensor] = {}
+        super().__init__(in_features, out_features, output_sizes, bias, names)
+        self.config = config
         self.group_size = -1
         self.perm: torch.Tensor | None = None
         self.buffer: SharedBuffer | None = None
-
-    def load_weight(self, param: nn.Parameter, shard: int | None, ckpt) -> None:
-        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
-        tensor = ckpt[...] if not isinstance(ckpt, torch.Tensor) else ckpt
-        if name == "bias":
-            start = sum(self.output_sizes[:shard]) if shard is not None else 0
-            param.data[start:start + tensor.shape[0]].copy_(tensor)
-            return
-        self._staged[(name, shard)] = tensor
 
     def finish(self, buffer: SharedBuffer) -> None:
         """The staged checkpoint tensors -> the kernels' layout; the placeholders go."""
         from pagedllm_kernels import int4_layout
 
-        shards = [None] if not hasattr(self, "output_sizes") else list(range(len(self.output_sizes)))
-        parts = [self._unpack(s) for s in shards]
+        shards = self.shard_sizes()
+        parts = [self._unpack(s) for s, _ in shards]
         if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts[1:]):
             raise ValueError("int4: the fused projections (q/k/v or gate/up) have different g_idx; they share one "
                              "input, so GPTQ's activation order gives them the same one")
-        w = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.zeros for p in parts]),
-                       torch.cat([p.scales for p in parts]), parts[0].g_idx)
-        for part, size in zip(parts, getattr(self, "output_sizes", [self.out_features])):
+        for part, (_, size) in zip(parts, shards):
             if part.codes.shape != (size, self.in_features):
                 raise ValueError(f"int4: a shard holds {tuple(part.codes.shape)} codes, expected "
                                  f"({size}, {self.in_features})")
+        w = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.zeros for p in parts]),
+                       torch.cat([p.scales for p in parts]), parts[0].g_idx)
         codes, zeros, scales, group = _contiguous_groups(w, self.config.group_size)
         if group is not w.g_idx:  # desc_act: the input rows were reordered to make the groups contiguous
             self.perm = group
         self.group_size = self.in_features if self.config.group_size == -1 else self.config.group_size
         packed, s, m = int4_layout.pack(codes, scales, zeros.float(), self.group_size)
-        device = self.qweight.device
-        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
-            delattr(self, name)
+        device = self.take_staged()
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales", s.to(device))
         self.register_buffer("mins", m.to(device))
         if self.perm is not None:
             self.perm = self.perm.to(device)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
-        self._staged.clear()
         self.buffer = buffer
 
     def _unpack(self, shard) -> Int4Weight:
-        t = {name: self._staged[(name, shard)] for name, s in self._staged if s == shard}
+        t = self.staged(shard)
         if self.config.method == "awq":
             return unpack_awq(t["qweight"], t["qzeros"], t["scales"], self.config.group_size)
         return unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"])
@@ -160,23 +133,3 @@ def _cpu_kernel():
         except Exception:  # noqa: BLE001 - no compiler or no AVX-512: torch's path
             _KERNEL.append(None)
     return _KERNEL[0]
-
-
-def replace_with_int4(model: nn.Module, config: Int4Config) -> int:
-    """Swap every decoder linear the config quantizes for an Int4Linear (before the weights load)."""
-    modules = dict(model.named_modules())
-    targets = [(n, m) for n, m in modules.items()
-               if isinstance(m, nn.Linear) and ".layers." in n and config.quantizes(n)]
-    for name, linear in targets:
-        sizes = linear.output_sizes if isinstance(linear, MergedLinear) else None
-        q = Int4Linear(linear.in_features, linear.out_features, sizes, linear.bias is not None, config)
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent], child, q.to(linear.weight.device))
-    return len(targets)
-
-
-def finish_int4(model: nn.Module) -> None:
-    buffer = SharedBuffer()
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.finish(buffer)

@@ -1,0 +1,51 @@
+"""The part every quantized linear shares: it takes a checkpoint's tensors as they come (one set per fused
+shard, through the loader's load_weight) and keeps them until all have arrived, when the subclass's `finish`
+builds its kernels' layout from them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StagedLinear(nn.Module):
+    ignores_zero_bias = True  # AutoGPTQ writes zero biases for bias-free projections (models/loader.py)
+
+    def __init__(self, in_features: int, out_features: int, output_sizes: list[int] | None, bias: bool,
+                 checkpoint_names: list[str]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if output_sizes is not None:
+            self.output_sizes = list(output_sizes)  # a fused layer: the loader hands it one shard at a time
+        for name in checkpoint_names:  # placeholders the loader fills
+            self.register_parameter(name, nn.Parameter(torch.empty(0), requires_grad=False))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._staged: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    def load_weight(self, param: nn.Parameter, shard: int | None, ckpt) -> None:
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        tensor = ckpt if isinstance(ckpt, torch.Tensor) else ckpt[...]
+        if name == "bias":
+            start = sum(self.output_sizes[:shard]) if shard is not None else 0
+            param.data[start:start + tensor.shape[0]].copy_(tensor)
+            return
+        self._staged[(name, shard)] = tensor
+
+    def shard_sizes(self) -> list[tuple[int | None, int]]:
+        """(shard, its output rows) for each checkpoint projection this layer holds."""
+        if not hasattr(self, "output_sizes"):
+            return [(None, self.out_features)]
+        return list(enumerate(self.output_sizes))
+
+    def staged(self, shard: int | None) -> dict[str, torch.Tensor]:
+        return {name: t for (name, s), t in self._staged.items() if s == shard}
+
+    def take_staged(self) -> torch.device:
+        """Drop the placeholders and the staged tensors (call after reading them); returns the layer's device."""
+        device = next(p for n, p in self.named_parameters(recurse=False) if n != "bias").device
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+            delattr(self, name)
+        self._staged.clear()
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
+        return device

@@ -1,0 +1,245 @@
+// Quantized-weight linears for bf16 on the CPU: y = x W^T (+ b), W dequantized inside the matmul, never stored.
+// Both formats give, per tile of 16 output columns and pair of input rows (k, k + 1), one vector of 16 bf16
+// pairs, which one AVX512-BF16 pair dot product multiplies by a pair of x.
+//
+// int4 (int4_layout.py): 16 bytes per pair (one per column: k's code in the low nibble, k + 1's in the high);
+// per (tile, group) the columns' scales s and mins m = s * zero, so W[n, k] = s * code - m. A byte's nibbles
+// become two bf16 holding code + 128 exactly (0x4300 is 128.0 and its 7 mantissa bits take the code). Per group
+// g and row r, with D = sum over the group of x * (code + 128) and X the sum of x over the group:
+//   y += s * D - (128 s + m) * X.
+// fp8 (fp8_linear.py): 32 bytes per pair (column j's two e4m3 elements side by side), widened exactly by
+// simd.h's table lookups; one group over all of K with each column's scale: y = s * D.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int kTile = 16;
+constexpr int kRowBlock = 8;  // rows of x per pass over a tile's weight: 2 accumulators each in registers
+
+inline __m512i codes_as_bf16_pairs(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(0xF));
+  const __m512i hi = _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16);
+  return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi32(0x43004300), 0xFE);  // lo | hi | 128.0 pairs
+}
+
+inline __m512i fp8_pairs(const uint8_t* p) {
+  return _mm512_castps_si512(pagedllm::fp8x32_to_bf16(reinterpret_cast<const c10::Float8_e4m3fn*>(p)));
+}
+
+struct Args {
+  const at::BFloat16* x;
+  int64_t x_stride, k, groups, group_size;
+  const uint8_t* packed;
+  const float *scales, *mins, *xsum, *bias;  // int4: mins and xsum; fp8: neither (nullptr)
+  at::BFloat16* y;
+  int64_t y_stride;
+};
+
+// A format: its bytes per pair vector, and how they become one.
+struct Int4 {
+  static constexpr int64_t kPairBytes = 16;
+  static __m512i pairs(const uint8_t* p) { return codes_as_bf16_pairs(p); }
+};
+struct Fp8 {
+  static constexpr int64_t kPairBytes = 32;
+  static __m512i pairs(const uint8_t* p) { return fp8_pairs(p); }
+};
+
+// Rows r0..r0+R-1 of y for one tile of 16 columns; the weight's pair vectors unpacked as they are read, or
+// (`unpacked`, for more than one block of rows) read from the tile's buffer of them.
+template <class F, int R>
+void tile_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* unpacked) {
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const int64_t pairs = a.group_size / 2;
+  const uint8_t* w = a.packed + tile * (a.k / 2) * F::kPairBytes;
+  const int32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const int32_t*>(a.x + (r0 + r) * a.x_stride);
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 d[R];
+    for (int r = 0; r < R; ++r) d[r] = _mm512_setzero_ps();
+    for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
+      const __m512 wv = _mm512_castsi512_ps(unpacked ? _mm512_load_si512(unpacked + p) : F::pairs(w + p * F::kPairBytes));
+      for (int r = 0; r < R; ++r)
+        d[r] = _mm512_dpbf16_ps(d[r], (__m512bh)wv, (__m512bh)_mm512_castsi512_ps(_mm512_set1_epi32(xr[r][p])));
+    }
+    const __m512 s = _mm512_loadu_ps(a.scales + (tile * a.groups + g) * kTile);
+    for (int r = 0; r < R; ++r) y[r] = _mm512_fmadd_ps(s, d[r], y[r]);
+    if (a.mins) {
+      const __m512 c = _mm512_fmadd_ps(s, _mm512_set1_ps(128.0f), _mm512_loadu_ps(a.mins + (tile * a.groups + g) * kTile));
+      for (int r = 0; r < R; ++r) y[r] = _mm512_fnmadd_ps(c, _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]), y[r]);
+    }
+  }
+  const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + tile * kTile) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    pagedllm::store16(a.y + (r0 + r) * a.y_stride + tile * kTile, _mm512_add_ps(y[r], b));
+}
+
+template <class F, int R>
+void tile_rows_for(int rows, const Args& a, int64_t tile, int64_t r0, const __m512i* unpacked) {
+  if constexpr (R > 1)
+    if (rows < R) return tile_rows_for<F, R - 1>(rows, a, tile, r0, unpacked);
+  tile_rows<F, R>(a, tile, r0, unpacked);
+}
+
+// Every tile of y; with more than one block of rows each tile's pair vectors are unpacked once into a buffer
+// (K/2 x 64 bytes, in L1 or L2) that every block then reads, so the unpacking is not repeated per block.
+template <class F>
+void all_tiles(const Args& a, int64_t rows, int64_t tiles) {
+  const bool buffered = rows > kRowBlock;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<__m512i> unpacked(buffered ? a.k / 2 : 0);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (buffered)
+        for (int64_t p = 0; p < a.k / 2; ++p) unpacked[p] = F::pairs(a.packed + (t * (a.k / 2) + p) * F::kPairBytes);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+        tile_rows_for<F, kRowBlock>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)), a, t, r0,
+                                    buffered ? unpacked.data() : nullptr);
+    }
+  }
+}
+
+void check_x(const torch::Tensor& x, int64_t k, int64_t n, const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 &&
+                  x.stride(0) % 2 == 0,
+              "x must be bfloat16 [rows, K] with contiguous, 4-byte aligned rows");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bias must be contiguous float32 [N]");
+}
+
+void check_weight(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins,
+                  int64_t group_size) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kTile &&
+                  packed.is_contiguous(),
+              "packed must be contiguous uint8 [N/16, K/2, 16]");
+  const int64_t k = packed.size(1) * 2;
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && k % group_size == 0,
+              "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  mins.is_contiguous() && scales.sizes() == mins.sizes() && scales.dim() == 3 &&
+                  scales.size(0) == packed.size(0) && scales.size(1) == k / group_size && scales.size(2) == kTile,
+              "scales and mins must be contiguous float32 [N/16, K/group_size, 16]");
+}
+
+}  // namespace
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                          int64_t group_size, std::optional<torch::Tensor> bias) {
+  check_weight(packed, scales, mins, group_size);
+  const int64_t n = packed.size(0) * kTile, k = packed.size(1) * 2, groups = k / group_size;
+  check_x(x, k, n, bias);
+  const int64_t rows = x.size(0);
+  auto y = torch::empty({rows, n}, x.options());
+  // Each row's sum of x per group, for the zero points' and the 128 offset's share.
+  auto xsum = x.view({rows, groups, group_size}).sum(-1, false, at::kFloat).contiguous();
+  const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, groups, group_size, packed.data_ptr<uint8_t>(),
+               scales.data_ptr<float>(), mins.data_ptr<float>(), xsum.data_ptr<float>(),
+               bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), n};
+  all_tiles<Int4>(a, rows, n / kTile);
+  return y;
+}
+
+// fp8: packed [N/16, K/2, 16, 2] float8_e4m3fn (fp8_linear.py), scales [N/16, 1, 16] float32 per column.
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                         std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat8_e4m3fn && packed.dim() == 4 && packed.size(2) == kTile &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed must be contiguous float8_e4m3fn [N/16, K/2, 16, 2]");
+  const int64_t n = packed.size(0) * kTile, k = packed.size(1) * 2;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == packed.size(0) && scales.size(1) == 1 && scales.size(2) == kTile,
+              "scales must be contiguous float32 [N/16, 1, 16]");
+  check_x(x, k, n, bias);
+  const int64_t rows = x.size(0);
+  auto y = torch::empty({rows, n}, x.options());
+  const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, 1, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
+               scales.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<at::BFloat16>(), n};
+  all_tiles<Fp8>(a, rows, n / kTile);
+  return y;
+}
+
+// x rounded to e4m3 at a scale and back (an fp8 checkpoint's activations): static_scale > 0 is the scale;
+// otherwise max |x| / 448 over each row (per_token) or over all of x. One pass per row, 32 values at a time.
+torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_token) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 32 == 0,
+              "x must be bfloat16 [rows, K] with contiguous rows, K a multiple of 32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto out = torch::empty({rows, k}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  std::vector<float> scales(rows, static_cast<float>(static_scale));
+  if (static_scale <= 0) {
+    for (int64_t m = 0; m < rows; ++m) {
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(pagedllm::load16(xp + m * x.stride(0) + i)));
+      scales[m] = std::max(_mm512_reduce_max_ps(amax) / 448.0f, 1e-12f);
+    }
+    if (!per_token) {
+      const float all = *std::max_element(scales.begin(), scales.end());
+      std::fill(scales.begin(), scales.end(), all);
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (rows >= 4)
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.0f / scales[m]), sc = _mm512_set1_ps(scales[m]);
+    alignas(32) uint8_t codes[32];
+    for (int64_t i = 0; i < k; i += 32) {
+      const at::BFloat16* xr = xp + m * x.stride(0) + i;
+      _mm_store_si128(reinterpret_cast<__m128i*>(codes), pagedllm::to_e4m3_16(_mm512_mul_ps(pagedllm::load16(xr), inv)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16),
+                      pagedllm::to_e4m3_16(_mm512_mul_ps(pagedllm::load16(xr + 16), inv)));
+      const __m512i v = _mm512_castps_si512(pagedllm::fp8x32_to_bf16(reinterpret_cast<const c10::Float8_e4m3fn*>(codes)));
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      pagedllm::store16(op + m * k + i, _mm512_mul_ps(lo, sc));
+      pagedllm::store16(op + m * k + i + 16, _mm512_mul_ps(hi, sc));
+    }
+  }
+  return out;
+}
+
+// The plain bf16 [N, K] weight, for batches large enough that oneDNN's matmul on it wins.
+void int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size,
+                     torch::Tensor out) {
+  check_weight(packed, scales, mins, group_size);
+  const int64_t n = packed.size(0) * kTile, k = packed.size(1) * 2, groups = k / group_size;
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.size(0) == n && out.size(1) == k,
+              "out must be contiguous bfloat16 [N, K]");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  int32_t* o = reinterpret_cast<int32_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t pairs = group_size / 2, row_units = k / 2;
+  // lane j's two values (k, k + 1) are one 32-bit unit of row n0 + j: scattered 16 at a time
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int32_t>(row_units)));
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t t = 0; t < n / kTile; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 s = _mm512_loadu_ps(sp + (t * groups + g) * kTile);
+      const __m512 m = _mm512_loadu_ps(mp + (t * groups + g) * kTile);
+      for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (t * row_units + p) * kTile)));
+        const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF))), s, m);
+        const __m512 hi = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, m);
+        const __m512i lo16 = _mm512_cvtepu16_epi32(pagedllm::to_bf16(lo));
+        const __m512i hi16 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(pagedllm::to_bf16(hi)), 16);
+        _mm512_i32scatter_epi32(o + t * kTile * row_units + p, lanes, _mm512_or_si512(lo16, hi16), 4);
+      }
+    }
+  }
+}

@@ -1,0 +1,84 @@
+"""The fp8-weight kernels (C++ on AVX512-BF16 CPUs, Triton under the interpreter or on a GPU) against the torch
+reference: rows around the C++ kernel's row blocks, one and several column tiles, every e4m3 value (subnormals
+and ±448), per-column scales, with and without bias; the layout's round trip."""
+
+import pytest
+import torch
+from pagedllm_kernels import fp8_layout
+from pagedllm_kernels.cpu import fp8_linear as cpu
+from pagedllm_kernels.fp8_matmul import fp8_matmul, reference_fp8_matmul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaNs: checkpoints hold finite values
+    codes[0, :8] = torch.tensor([0x01, 0x07, 0x08, 0x7E, 0x81, 0xFE, 0x00, 0x80], dtype=torch.uint8)
+    return codes.view(FP8), torch.rand(n, generator=g) * 0.1 + 0.01
+
+
+def test_layout_round_trip():
+    w, s = weight(48, 64)
+    packed, scales = fp8_layout.pack(w, s)
+    torch.testing.assert_close(fp8_layout.dequantize(packed, scales), w.float() * s[:, None])
+    assert packed[2, 5, 3, 1].view(torch.uint8) == w[32 + 3, 11].view(torch.uint8)  # tile 2, pair 5, lane 3
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_layout.pack(w[:40], s[:40])
+
+
+cpu_ok, cpu_why = cpu.cpu_supported()
+
+
+@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 96), (80, 256)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_fp8_linear_matches_the_reference(rows, n, k, with_bias):
+    w, s = weight(n, k, seed=rows)
+    packed, scales = fp8_layout.pack(w, s)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    bias = torch.randn(n) if with_bias else None
+    got = cpu.linear(x, packed, scales, bias)
+    want = cpu.reference(x, packed, scales, bias)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=1e-2)  # values up to ~400: bf16 ulps
+
+
+@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
+def test_cpu_fp8_reads_every_value_exactly():
+    """A one-hot x picks one input row: the output is that row's elements times their scales, exactly."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite values
+    w = torch.zeros(256, 2, dtype=torch.uint8)
+    w[:len(codes), 1] = codes
+    packed, scales = fp8_layout.pack(w.view(FP8), torch.ones(256))
+    x = torch.tensor([[0.0, 1.0]]).to(torch.bfloat16)
+    got = cpu.linear(x, packed, scales)[0, :len(codes)]
+    assert torch.equal(got.float(), codes.view(FP8).float().to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,n,k", [(1, 16, 64), (9, 80, 96), (33, 64, 256)])
+def test_triton_fp8_matmul_matches_the_reference(dtype, rows, n, k):
+    w, s = weight(n, k, seed=rows)
+    packed, scales = (t.to(DEVICE) for t in fp8_layout.pack(w, s))
+    x = torch.randn(rows, k).to(dtype).to(DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    got = fp8_matmul(x, packed, scales, bias)
+    want = reference_fp8_matmul(x, packed, scales, bias)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
+@pytest.mark.parametrize("mode", ["static", "dynamic", "dynamic_token"])
+def test_cpu_fp8_input_rounding_matches_torch(mode):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 96, generator=g) * torch.logspace(-3, 1, 96)).to(torch.bfloat16)
+    x[3] = 0  # an all-zero row
+    static = 0.01 if mode == "static" else None  # clamps the largest values at 4.48
+    got = cpu.round_input(x, static, mode == "dynamic_token")
+    want = cpu.reference_round_input(x, static, mode == "dynamic_token")
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)  # one bf16 rounding of value * scale
+    assert not torch.equal(got, x)

@@ -1,0 +1,108 @@
+"""FP8-weight checkpoints (compressed-tensors and `fp8`, per-tensor and per-channel scales, activations none,
+dynamic or static) through the engine against transformers (fp32) on their dequantized twins
+(pagedllm/models/quantization/tiny_checkpoints.py). Weight-only in fp32: logits to fp32 rounding, greedy
+tokens identical. Activations rounded to e4m3 (the format's own numerics, which the dense twin does not
+have), or bf16 through our C++ kernel: teacher-forced tokens agree wherever the twin's margin allows."""
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free, random_prompts
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.layers.fp8_linear import Fp8Linear
+from pagedllm.models.quantization.tiny_checkpoints import make_fp8_checkpoint
+
+LENGTHS = [1, 5, 17, 40, 100, 64]
+MAX_TOKENS = [12, 5, 16, 8, 8, 10]
+FLIP_MARGIN = 0.5  # logprob units: e4m3 activations are off by up to 1/16 of themselves
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_dir, tmp_path_factory):
+    made = {}
+
+    def get(arch, method, strategy, activations):
+        key = (arch, method, strategy, activations)
+        if key not in made:
+            out = tmp_path_factory.mktemp("fp8") / "-".join(map(str, key))
+            made[key] = make_fp8_checkpoint(model_dir(arch), str(out), method, strategy, activations)
+        return made[key]
+
+    return get
+
+
+def hf_greedy(model_dir, prompts):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf, [hf.generate(torch.tensor([p]), max_new_tokens=m, min_new_tokens=m, do_sample=False)[0, len(p):]
+                    .tolist() for p, m in zip(prompts, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("method,strategy", [("compressed-tensors", "tensor"), ("compressed-tensors", "channel")])
+def test_weight_only_fp32_matches_transformers(checkpoints, method, strategy):
+    quantized, twin = checkpoints("llama", method, strategy, None)
+    prompts = random_prompts(LENGTHS)
+    hf, want = hf_greedy(twin, prompts)
+    llm = LLM(quantized, dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    assert sum(isinstance(m, Fp8Linear) for m in llm.engine.executor.model.modules()) == 8
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    scored = llm.generate([{"prompt_token_ids": prompts[2]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)[0]
+    ours = torch.tensor([next(iter(lp.values())).logprob for lp in scored.prompt_logprobs[1:]])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[2]])).logits[0].log_softmax(-1)
+    torch.testing.assert_close(ours, ref[:-1].gather(1, torch.tensor(prompts[2][1:])[:, None])[:, 0],
+                               atol=1e-4, rtol=1e-4)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("arch,method,strategy,activations,dtype", [
+    ("llama", "compressed-tensors", "channel", "dynamic_token", "float32"),
+    ("llama", "compressed-tensors", "tensor", "static", "float32"),
+    ("llama", "fp8", "tensor", "dynamic", "bfloat16"),
+    ("qwen2", "fp8", "tensor", "static", "bfloat16"),
+    ("llama", "compressed-tensors", "channel", None, "bfloat16"),
+])
+def test_teacher_forced_agreement(checkpoints, arch, method, strategy, activations, dtype):
+    quantized, twin = checkpoints(arch, method, strategy, activations)
+    prompts = random_prompts(LENGTHS)
+    hf, want = hf_greedy(twin, prompts)
+    seqs = [p + t for p, t in zip(prompts, want)]
+    llm = LLM(quantized, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=16 << 20, device="cpu")
+    layer = next(m for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear))
+    assert layer.config.activations == activations
+    if activations == "static":
+        assert layer.input_scale_value > 0
+    scored = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
+    same = total = 0
+    for s, p, out in zip(seqs, prompts, scored):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s])).logits[0].log_softmax(-1)
+        for pos in range(len(p), len(s)):
+            top = max(out.prompt_logprobs[pos].items(), key=lambda kv: kv[1].logprob)[0]
+            total += 1
+            if top == s[pos]:
+                same += 1
+            else:
+                assert ref[pos - 1, s[pos]] - ref[pos - 1, top] < FLIP_MARGIN, (pos, top, s[pos])
+    assert same >= 0.95 * total
+    assert_all_blocks_free(llm)
+
+
+def test_activation_scales_are_honoured(checkpoints):
+    """Static and dynamic schemes round each input to e4m3 at their scale before the matmul."""
+    for activations in ("static", "dynamic", "dynamic_token"):
+        quantized, _ = checkpoints("llama", "compressed-tensors", "tensor", activations)
+        llm = LLM(quantized, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
+        layer = next(m for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear))
+        x = torch.randn(5, layer.in_features)
+        xq = layer.quantize_input(x)
+        assert not torch.equal(xq, x)
+        scale = torch.tensor(layer.input_scale_value) if activations == "static" else (
+            x.abs().amax(-1, keepdim=True) if activations == "dynamic_token" else x.abs().amax()) / 448
+        grid = xq / scale  # on e4m3's grid
+        torch.testing.assert_close(grid.to(torch.float8_e4m3fn).float(), grid, atol=1e-5, rtol=1e-6)
