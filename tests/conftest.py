@@ -88,3 +88,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, folder))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+def agreement_with_transformers(hf, prompts, seqs, scored, max_margin: float) -> tuple[int, int]:
+    """Teacher-forced: each scored sequence's top token per generated position against transformers' choice
+    there (`seqs` are the prompts plus transformers' greedy tokens; `scored` our outputs with prompt_logprobs).
+    A disagreement must be a near-tie in transformers' own scores. Returns (agreeing positions, positions)."""
+    import torch
+
+    same = total = 0
+    for s, p, out in zip(seqs, prompts, scored):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s])).logits[0].log_softmax(-1)
+        for pos in range(len(p), len(s)):
+            top = max(out.prompt_logprobs[pos].items(), key=lambda kv: kv[1].logprob)[0]
+            total += 1
+            if top == s[pos]:
+                same += 1
+            else:
+                assert ref[pos - 1, s[pos]] - ref[pos - 1, top] < max_margin, (pos, top, s[pos])
+    return same, total

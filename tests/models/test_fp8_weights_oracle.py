@@ -6,7 +6,7 @@ have), or bf16 through our C++ kernel: teacher-forced tokens agree wherever the 
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free, random_prompts
+from conftest import agreement_with_transformers, assert_all_blocks_free, random_prompts
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -78,17 +78,7 @@ def test_teacher_forced_agreement(checkpoints, arch, method, strategy, activatio
         assert layer.input_scale_value > 0
     scored = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=1),
                           use_tqdm=False)
-    same = total = 0
-    for s, p, out in zip(seqs, prompts, scored):
-        with torch.no_grad():
-            ref = hf(torch.tensor([s])).logits[0].log_softmax(-1)
-        for pos in range(len(p), len(s)):
-            top = max(out.prompt_logprobs[pos].items(), key=lambda kv: kv[1].logprob)[0]
-            total += 1
-            if top == s[pos]:
-                same += 1
-            else:
-                assert ref[pos - 1, s[pos]] - ref[pos - 1, top] < FLIP_MARGIN, (pos, top, s[pos])
+    same, total = agreement_with_transformers(hf, prompts, seqs, scored, FLIP_MARGIN)
     assert same >= 0.95 * total
     assert_all_blocks_free(llm)
 

@@ -5,7 +5,7 @@ the tokens agree teacher-forced wherever the twin's top-2 margin allows bf16's r
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free, random_prompts
+from conftest import agreement_with_transformers, assert_all_blocks_free, random_prompts
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -75,17 +75,7 @@ def test_bf16_kernel_agrees_with_transformers(checkpoints, arch, method, group, 
     llm = LLM(quantized, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=16 << 20, device="cpu")
     scored = llm.generate([{"prompt_token_ids": s} for s in seqs],
                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    same = total = 0
-    for s, p, out in zip(seqs, prompts, scored):
-        with torch.no_grad():
-            ref = hf(torch.tensor([s])).logits[0].log_softmax(-1)
-        for pos in range(len(p), len(s)):
-            top = max(out.prompt_logprobs[pos].items(), key=lambda kv: kv[1].logprob)[0]
-            total += 1
-            if top == s[pos]:
-                same += 1
-            else:  # a flip only where transformers' own top two are close
-                assert ref[pos - 1, s[pos]] - ref[pos - 1, top] < BF16_FLIP_MARGIN, (pos, top, s[pos])
+    same, total = agreement_with_transformers(hf, prompts, seqs, scored, BF16_FLIP_MARGIN)
     assert same >= 0.95 * total
     assert_all_blocks_free(llm)
 

@@ -14,24 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm_kernels.cpu.build import amx_supported, extension
+from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 __all__ = ["MAX_ROWS", "WeightBuffer", "amx_supported", "can_pack", "pack_weight", "unpack_weight", "linear",
            "reference"]
 
 MAX_ROWS = 128
-
-
-class WeightBuffer:
-    """Room for one unpacked weight, reused by every layer of one model (its layers run one at a time); grown to
-    the largest weight on first use. Each model owns its buffer, so two models in a process never share one."""
-
-    def __init__(self) -> None:
-        self._data: torch.Tensor | None = None
-
-    def view(self, n: int, k: int) -> torch.Tensor:
-        if self._data is None or self._data.numel() < n * k:
-            self._data = torch.empty(n * k, dtype=torch.bfloat16)
-        return self._data[:n * k].view(n, k)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -16,21 +16,9 @@ import torch.nn.functional as F
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Int4Config
 from pagedllm.models.quantization.int4_formats import Int4Weight, group_index, unpack_awq, unpack_gptq
+from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 CPU_KERNEL_ROWS = 64  # measured: above this, dequantize + oneDNN is faster on the 125M shapes (perf/README.md)
-
-
-class SharedBuffer:
-    """One bf16 buffer for a dequantized weight, reused by every Int4Linear of a model (layers run one at a
-    time)."""
-
-    def __init__(self) -> None:
-        self._data: torch.Tensor | None = None
-
-    def view(self, n: int, k: int) -> torch.Tensor:
-        if self._data is None or self._data.numel() < n * k:
-            self._data = torch.empty(n * k, dtype=torch.bfloat16)
-        return self._data[:n * k].view(n, k)
 
 
 class Int4Linear(StagedLinear):
@@ -41,9 +29,9 @@ class Int4Linear(StagedLinear):
         self.config = config
         self.group_size = -1
         self.perm: torch.Tensor | None = None
-        self.buffer: SharedBuffer | None = None
+        self.buffer: WeightBuffer | None = None
 
-    def finish(self, buffer: SharedBuffer) -> None:
+    def finish(self, buffer: WeightBuffer) -> None:
         """The staged checkpoint tensors -> the kernels' layout; the placeholders go."""
         from pagedllm_kernels import int4_layout
 

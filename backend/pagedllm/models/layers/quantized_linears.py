@@ -7,10 +7,11 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.layers.fp8_linear import Fp8Linear
-from pagedllm.models.layers.int4_linear import Int4Linear, SharedBuffer
+from pagedllm.models.layers.int4_linear import Int4Linear
 from pagedllm.models.layers.linear import MergedLinear
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Fp8Config, Int4Config
+from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 
 def replace_quantized_linears(model: nn.Module, config: Int4Config | Fp8Config) -> int:
@@ -27,7 +28,7 @@ def replace_quantized_linears(model: nn.Module, config: Int4Config | Fp8Config) 
 
 
 def finish_quantized_linears(model: nn.Module) -> None:
-    buffer = SharedBuffer()  # one dequantization buffer for all of the model's int4 layers
+    buffer = WeightBuffer()  # one dequantization buffer for all of the model's int4 layers
     for module in model.modules():
         if isinstance(module, StagedLinear):
             module.finish(buffer)
