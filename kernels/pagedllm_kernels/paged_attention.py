@@ -24,7 +24,7 @@ FP8 = torch.float8_e4m3fn
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, window, k_scale, v_scale,
+    scale, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -61,9 +61,9 @@ def _paged_attention_kernel(
     for b in range(first_block, tl.cdiv(end, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
         kv_off = block_id * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        if FP8_CACHE:
-            k = e4m3_to_f32(tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * k_scale
-            v = e4m3_to_f32(tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0)) * v_scale
+        if FP8_CACHE:  # the elements as they are (exact in tf32); the scales are folded in outside the loop
+            k = e4m3_to_f32(tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0))
+            v = e4m3_to_f32(tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0))
         else:
             k = tl.load(k_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
             v = tl.load(v_cache_ptr + kv_off, mask=d_ok[None, :], other=0.0).to(tl.float32)
@@ -88,7 +88,7 @@ def _paged_attention_kernel(
             pv = tl.dot(p, v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(o_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -134,8 +134,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = max(1, 16 // group)
     grid = (rows, kv_heads, triton.cdiv(max_query_len, block_q))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale, sliding_window or 0,
-        float(k_scale), float(v_scale),
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * (k_scale if fp8 else 1.0),
+        sliding_window or 0, float(v_scale) if fp8 else 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),

@@ -88,6 +88,11 @@ def test_round_to_nearest_is_within_half_a_step(sym):
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit gptq"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemv"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "multiple of 32"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+        "input_activations": {"num_bits": 8, "type": "float", "dynamic": True, "symmetric": False}}}},
+     "input activations"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "gptq_v2"),
 ])
 def test_unsupported_configs_are_refused_by_name(qc, message):
@@ -96,3 +101,14 @@ def test_unsupported_configs_are_refused_by_name(qc, message):
 
     with pytest.raises(ValueError, match=message):
         read_quantization_config(Config())
+
+
+def test_compressed_tensors_ignore_takes_names_and_patterns():
+    class Config:
+        quantization_config = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
+                               "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                                                   "strategy": "channel"}}}}
+
+    c = read_quantization_config(Config())
+    assert not c.quantizes("lm_head") and not c.quantizes("model.layers.1.mlp.down_proj")
+    assert c.quantizes("model.layers.0.mlp.down_proj") and c.quantizes("model.layers.10.mlp.down_proj")

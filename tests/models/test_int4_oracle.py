@@ -84,3 +84,8 @@ def test_refusals_name_the_problem(checkpoints, model_dir, tmp_path):
     quantized, _ = checkpoints("llama", "awq", 128, False, False)
     with pytest.raises(ValueError, match="awq checkpoints run on one rank"):
         LLM(quantized, max_model_len=128, enable_lora=True)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(quantized, max_model_len=128, quantization="int8", device="cpu")
+    phi3, _ = make_int4_checkpoint(model_dir("phi3"), str(tmp_path / "phi3"), "gptq", 32, False, True)
+    with pytest.raises(ValueError, match="Phi-3"):
+        LLM(phi3, max_model_len=128)

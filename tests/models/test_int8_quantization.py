@@ -53,3 +53,5 @@ def test_int8_refusals(model_dir, tmp_path):
             LLM(model_dir("llama"), quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="runs on CPU, on one rank, without LoRA"):
         LLM(model_dir("llama"), quantization="int8", enable_lora=True, device="cpu")
+    with pytest.raises(ValueError, match="not experts"):  # routers are Linear layers too: not quantized apart
+        LLM(model_dir("mixtral"), quantization="int8", device="cpu")

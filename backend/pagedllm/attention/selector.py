@@ -51,7 +51,7 @@ class ProbeShape:
     sliding_window: int | None = None
     device: str = "cpu"
     softcap: float | None = None  # soft-capped scores: only the torch backend has them
-    kv_dtype: torch.dtype | None = None  # the cache's elements (None: dtype); fp8 is probed with non-unit scales
+    kv_dtype: torch.dtype | None = None  # the cache's elements (None: dtype); fp8 is probed with uneven scales
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -59,7 +59,7 @@ class ProbeShape:
 
     @property
     def kv_scales(self) -> KVScales:
-        return KVScales(0.5, 0.25) if self.cache_dtype == FP8 else UNIT_SCALES
+        return KVScales(0.3, 0.7) if self.cache_dtype == FP8 else UNIT_SCALES  # not powers of two: rounding shows
 
 
 @dataclass

@@ -16,16 +16,17 @@ namespace {
 constexpr int64_t kMaxHeadDim = 256;
 
 // One head's K or V values as cache elements, into `out` (head_dim of them): the same dtype as is; fp8 divided by
-// the scale (times inv_scale), rounded and clamped 16 at a time (simd.h's to_e4m3_16, bit for bit torch's).
+// the scale (a division, as torch's: a multiply by 1/scale may differ by an ulp), rounded and clamped 16 at a
+// time (simd.h's to_e4m3_16, bit for bit torch's).
 template <typename S, typename T>
 struct ToCache {
   static void row(const S* x, int64_t n, float, T* out) { std::copy(x, x + n, out); }
 };
 template <typename S>
 struct ToCache<S, c10::Float8_e4m3fn> {
-  static void row(const S* x, int64_t n, float inv_scale, c10::Float8_e4m3fn* out) {
+  static void row(const S* x, int64_t n, float scale, c10::Float8_e4m3fn* out) {
     for (int64_t d = 0; d < n; d += 16) {  // head_dim is a multiple of 16 (checked)
-      const __m128i codes = pagedllm::to_e4m3_16(_mm512_mul_ps(pagedllm::load16(x + d), _mm512_set1_ps(inv_scale)));
+      const __m128i codes = pagedllm::to_e4m3_16(_mm512_div_ps(pagedllm::load16(x + d), _mm512_set1_ps(scale)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), codes);
     }
   }
@@ -34,7 +35,7 @@ struct ToCache<S, c10::Float8_e4m3fn> {
 template <typename S, typename T>
 void store(const S* k, const S* v, int64_t k_stride, int64_t v_stride, T* k_cache, T* v_cache,
            const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-           float k_inv_scale, float v_inv_scale) {
+           float k_scale, float v_scale) {
   const int64_t run = block_size * head_dim;  // one (block, kv head)
   const int64_t run_bytes = run * static_cast<int64_t>(sizeof(T));
   auto one_token = [&](int64_t i) {
@@ -54,8 +55,8 @@ void store(const S* k, const S* v, int64_t k_stride, int64_t v_stride, T* k_cach
       T* kr = k_cache + (block * kv_heads + h) * run;
       T* vr = v_cache + (block * kv_heads + h) * run;
       T ks[kMaxHeadDim], vs[kMaxHeadDim];
-      ToCache<S, T>::row(k + i * k_stride + h * head_dim, head_dim, k_inv_scale, ks);
-      ToCache<S, T>::row(v + i * v_stride + h * head_dim, head_dim, v_inv_scale, vs);
+      ToCache<S, T>::row(k + i * k_stride + h * head_dim, head_dim, k_scale, ks);
+      ToCache<S, T>::row(v + i * v_stride + h * head_dim, head_dim, v_scale, vs);
       for (int64_t d = 0; d < head_dim; ++d) {
         kr[pagedllm::k_offset<T>(t, d, block_size)] = ks[d];
         vr[pagedllm::v_offset<T>(t, d, head_dim)] = vs[d];
@@ -77,7 +78,7 @@ void store_from(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::
   if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     store<S, c10::Float8_e4m3fn>(kp, vp, k.stride(0), v.stride(0), k_cache.data_ptr<c10::Float8_e4m3fn>(),
                                  v_cache.data_ptr<c10::Float8_e4m3fn>(), sp, tokens, kv_heads, head_dim, block_size,
-                                 static_cast<float>(1.0 / k_scale), static_cast<float>(1.0 / v_scale));
+                                 static_cast<float>(k_scale), static_cast<float>(v_scale));
   } else {
     TORCH_CHECK(k_cache.scalar_type() == k.scalar_type(), "the cache must be k's dtype or float8_e4m3fn");
     store<S, S>(kp, vp, k.stride(0), v.stride(0), k_cache.data_ptr<S>(), v_cache.data_ptr<S>(), sp, tokens,

@@ -181,6 +181,7 @@ torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_tok
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   std::vector<float> scales(rows, static_cast<float>(static_scale));
+  if (rows == 0) return out;
   if (static_scale <= 0) {
     for (int64_t m = 0; m < rows; ++m) {
       __m512 amax = _mm512_setzero_ps();
@@ -195,13 +196,13 @@ torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_tok
   }
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads()) if (rows >= 4)
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.0f / scales[m]), sc = _mm512_set1_ps(scales[m]);
+    const __m512 sc = _mm512_set1_ps(scales[m]);  // x / scale divided, as torch does (not times 1 / scale)
     alignas(32) uint8_t codes[32];
     for (int64_t i = 0; i < k; i += 32) {
       const at::BFloat16* xr = xp + m * x.stride(0) + i;
-      _mm_store_si128(reinterpret_cast<__m128i*>(codes), pagedllm::to_e4m3_16(_mm512_mul_ps(pagedllm::load16(xr), inv)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(codes), pagedllm::to_e4m3_16(_mm512_div_ps(pagedllm::load16(xr), sc)));
       _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16),
-                      pagedllm::to_e4m3_16(_mm512_mul_ps(pagedllm::load16(xr + 16), inv)));
+                      pagedllm::to_e4m3_16(_mm512_div_ps(pagedllm::load16(xr + 16), sc)));
       const __m512i v = _mm512_castps_si512(pagedllm::fp8x32_to_bf16(reinterpret_cast<const c10::Float8_e4m3fn*>(codes)));
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
       const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));

@@ -56,14 +56,16 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
         if quantized is not None:
             raise ValueError(f"quantization={spec.quantization!r}: the checkpoint is already quantized "
                              f"({quantized.method})")
-        if device != "cpu" or fallback or (group is not None and group.world_size > 1) or spec.max_loras:
-            raise ValueError("quantization='int8' runs on CPU, on one rank, without LoRA, for the architectures "
-                             "pagedllm implements, for now")
+        if device != "cpu" or fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
+                any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise ValueError("quantization='int8' runs on CPU, on one rank, without LoRA, for the dense "
+                             "architectures pagedllm implements (not experts), for now")
     if quantized is not None:
         if fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
-                any(isinstance(m, FusedMoE) for m in model.modules()):
+                any(isinstance(m, FusedMoE) for m in model.modules()) or model.checkpoint_splits(model.config):
             raise ValueError(f"{quantized.method} checkpoints run on one rank, without LoRA, for the dense "
-                             "architectures pagedllm implements (not the transformers fallback or experts) for now")
+                             "architectures pagedllm implements whose checkpoints keep q/k/v and gate/up apart (not "
+                             "Phi-3's fused tensors, experts or the transformers fallback) for now")
         replace_quantized_linears(model, quantized)
     if group is not None and group.world_size > 1:
         with torch.device(device):

@@ -51,6 +51,7 @@ class Fp8Linear(StagedLinear):
         self.register_buffer("scales", col_scales.to(device))
         if input_scales:
             self.input_scale_value = max(input_scales)
+            self.register_buffer("input_scale", torch.tensor(self.input_scale_value, device=device))
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """x rounded to e4m3 at the checkpoint's activation scale (and back to x's dtype)."""
@@ -62,7 +63,7 @@ class Fp8Linear(StagedLinear):
             return kernel.round_input(x, self.input_scale_value if mode == "static" else None,
                                       mode == "dynamic_token")
         if mode == "static":
-            scale = torch.tensor(self.input_scale_value, device=x.device)
+            scale = self.input_scale
         else:
             amax = x.abs().amax(dim=-1, keepdim=True) if mode == "dynamic_token" else x.abs().amax()
             scale = (amax.float() / FP8_MAX).clamp_min(1e-12)

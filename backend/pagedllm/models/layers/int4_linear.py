@@ -40,10 +40,15 @@ class Int4Linear(StagedLinear):
         if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts[1:]):
             raise ValueError("int4: the fused projections (q/k/v or gate/up) have different g_idx; they share one "
                              "input, so GPTQ's activation order gives them the same one")
+        gs = self.in_features if self.config.group_size == -1 else self.config.group_size
+        groups = self.in_features // gs
         for part, (_, size) in zip(parts, shards):
             if part.codes.shape != (size, self.in_features):
                 raise ValueError(f"int4: a shard holds {tuple(part.codes.shape)} codes, expected "
                                  f"({size}, {self.in_features})")
+            if part.scales.shape != (size, groups) or part.zeros.shape != (size, groups):
+                raise ValueError(f"int4: scales {tuple(part.scales.shape)} and zeros {tuple(part.zeros.shape)} do "
+                                 f"not hold {groups} groups of {gs} inputs for {size} outputs")
         w = Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.zeros for p in parts]),
                        torch.cat([p.scales for p in parts]), parts[0].g_idx)
         codes, zeros, scales, group = _contiguous_groups(w, self.config.group_size)

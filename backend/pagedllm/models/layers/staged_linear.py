@@ -25,11 +25,7 @@ class StagedLinear(nn.Module):
     def load_weight(self, param: nn.Parameter, shard: int | None, ckpt) -> None:
         name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
         tensor = ckpt if isinstance(ckpt, torch.Tensor) else ckpt[...]
-        if name == "bias":
-            start = sum(self.output_sizes[:shard]) if shard is not None else 0
-            param.data[start:start + tensor.shape[0]].copy_(tensor)
-            return
-        self._staged[(name, shard)] = tensor
+        self._staged[(name, shard)] = tensor  # a bias too: the model's dtype would round an fp16 one
 
     def shard_sizes(self) -> list[tuple[int | None, int]]:
         """(shard, its output rows) for each checkpoint projection this layer holds."""
@@ -45,7 +41,15 @@ class StagedLinear(nn.Module):
         device = next(p for n, p in self.named_parameters(recurse=False) if n != "bias").device
         for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
             delattr(self, name)
+        if self.bias is not None:  # fp32, from the checkpoint's own values, shard by shard
+            bias = torch.empty(self.out_features)
+            start = 0
+            for shard, size in self.shard_sizes():
+                part = self._staged[("bias", shard)].float().reshape(-1)
+                if part.numel() != size:
+                    raise ValueError(f"bias of {part.numel()} values for {size} output rows")
+                bias[start:start + size] = part
+                start += size
+            self.bias = nn.Parameter(bias.to(device), requires_grad=False)
         self._staged.clear()
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.data.float(), requires_grad=False)
         return device

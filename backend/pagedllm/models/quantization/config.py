@@ -13,6 +13,7 @@ AWQ GEMV, compressed-tensors' int schemes), block-wise FP8 scales.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -39,8 +40,14 @@ class Fp8Config:
     modules_to_not_convert: tuple[str, ...] = ()
 
     def quantizes(self, module_name: str) -> bool:
-        return not any(module_name == skip or module_name.endswith("." + skip) or skip in module_name
-                       for skip in self.modules_to_not_convert)
+        """compressed-tensors' `ignore` entries are names or `re:` patterns."""
+        for skip in self.modules_to_not_convert:
+            if skip.startswith("re:"):
+                if re.match(skip[3:], module_name):
+                    return False
+            elif module_name == skip or module_name.endswith("." + skip) or skip in module_name:
+                return False
+        return True
 
 
 def read_quantization_config(hf_config) -> Int4Config | Fp8Config | None:
@@ -60,8 +67,8 @@ def read_quantization_config(hf_config) -> Int4Config | Fp8Config | None:
     if bits != 4:
         raise ValueError(f"quantization_config: {bits}-bit {method} is not supported (4-bit only)")
     group = q.get("group_size", q.get("q_group_size", 128))
-    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 16)):
-        raise ValueError(f"quantization_config: group_size {group!r} must be -1 or a positive multiple of 16")
+    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+        raise ValueError(f"quantization_config: group_size {group!r} must be -1 or a positive multiple of 32")
     skip = tuple(q.get("modules_to_not_convert") or ())
     if method == "awq":
         version = str(q.get("version", "gemm")).lower()
@@ -98,7 +105,7 @@ def _compressed_tensors(q: dict) -> Fp8Config:
                          "strategy tensor or channel)")
     activations = None
     if a:
-        if a.get("type") != "float" or a.get("num_bits") != 8:
+        if a.get("type") != "float" or a.get("num_bits") != 8 or a.get("symmetric") is False:
             raise ValueError(f"quantization_config: compressed-tensors input activations {a} are not supported")
         strategy = a.get("strategy", "tensor")
         if a.get("dynamic"):
