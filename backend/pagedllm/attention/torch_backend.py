@@ -66,6 +66,12 @@ class _Gather:
     def __init__(self, ws: Workspace, kv_cache: torch.Tensor, scales: KVScales, like: torch.Tensor) -> None:
         self.ws, self.kv_cache, self.scales, self.like = ws, kv_cache, scales, like
 
+    def as_cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh prompt's own K/V as the cache holds them (an fp8 cache's rounding), for it to attend to."""
+        if not is_fp8(self.kv_cache):
+            return k, v
+        return round_trip(k, self.scales.k), round_trip(v, self.scales.v)
+
     def __call__(self, which: int, name: str, block_table: torch.Tensor) -> torch.Tensor:
         cache = self.kv_cache[which]
         rows, nb = block_table.shape
@@ -95,8 +101,6 @@ class TorchAttention:
                 kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         self.softcap = softcap
         store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        if is_fp8(kv_cache):  # fresh prompts attend to their own K/V as the cache holds them
-            k, v = round_trip(k, kv_scales.k), round_trip(v, kv_scales.v)
         gather = _Gather(self.ws, kv_cache, kv_scales, q)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -140,7 +144,7 @@ class TorchAttention:
     def _prefill(self, q, k, v, gather, meta, row, scale, window):
         ctx, qlen, bs = meta.seq_lens_list[row], q.shape[0], meta.block_size
         if ctx == qlen:  # nothing cached before this chunk: attend over the fresh k/v directly
-            keys, vals = k, v
+            keys, vals = gather.as_cached(k, v)
         else:
             bt = meta.block_tables[row, :-(-ctx // bs)]
             keys = gather(0, "pk", bt[None])[0, :ctx]

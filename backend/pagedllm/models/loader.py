@@ -10,6 +10,7 @@ composes them (pagedllm.engine.executor.worker); nothing here knows about parall
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -77,7 +78,7 @@ def load_weights(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> 
         if sizes is None:
             loaded.add(_load_one(params, modules, name, target, shard, ckpt))
             continue
-        shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+        shape = _shape(ckpt)
         if shape[0] != sum(sizes):
             raise ValueError(f"{name}: {shape[0]} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))})")
         at = 0
@@ -94,7 +95,7 @@ def _load_one(params, modules, name: str, target: str, shard: int | None, ckpt) 
     if custom is not None:
         custom(param, shard, ckpt)
     else:
-        shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
+        shape = _shape(ckpt)
         if tuple(param.shape) != shape:
             raise ValueError(f"{name}: shape {shape} != expected {tuple(param.shape)}")
         param.data.copy_(ckpt[:])
@@ -115,9 +116,10 @@ def _load_kv_scale(modules, name: str, ckpt) -> bool:
             attention = modules.get(name[: -len(suffix)].removesuffix(".self_attn") + ".self_attn")
             if attention is None or not hasattr(attention, "kv_scales"):
                 raise ValueError(f"checkpoint tensor {name!r}: no attention layer takes a KV cache scale there")
-            value = float(ckpt[...].float().reshape(-1)[0]) if _numel(ckpt) == 1 else None
-            if value is None or not value > 0:
-                raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be one positive number")
+            value = float(ckpt[...].float().reshape(-1)[0]) if math.prod(_shape(ckpt)) == 1 else None
+            if value is None or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be one positive number, "
+                                 "and finite")
             k = value if which in ("k", "kv") else attention.kv_scales.k
             v = value if which in ("v", "kv") else attention.kv_scales.v
             attention.kv_scales = KVScales(k, v)
@@ -125,12 +127,9 @@ def _load_kv_scale(modules, name: str, ckpt) -> bool:
     return False
 
 
-def _numel(ckpt) -> int:
-    shape = tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _shape(ckpt) -> tuple[int, ...]:
+    """A checkpoint tensor's shape, whether a tensor or a lazy safetensors slice."""
+    return tuple(ckpt.shape) if isinstance(ckpt, torch.Tensor) else tuple(ckpt.get_shape())
 
 
 def _checkpoint_tensors(model_dir: str, hf_config):

@@ -65,6 +65,15 @@ def cpu_supported() -> tuple[bool, str]:
 
 
 @functools.cache
+def kernel_module(name: str):
+    """pagedllm_kernels.cpu.<name> where this CPU can run the extension, else None (the caller's torch path);
+    the build itself still happens on the first call into it."""
+    if not cpu_supported()[0]:
+        return None
+    return importlib.import_module(f"pagedllm_kernels.cpu.{name}")
+
+
+@functools.cache
 def extension():
     """The compiled module; raises RuntimeError with the reason when this CPU or toolchain cannot have it."""
     ok, why = cpu_supported()

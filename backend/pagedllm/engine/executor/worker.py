@@ -52,17 +52,18 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
         raise ValueError(f"{hf_config.architectures[0]} runs through the transformers fallback, which supports "
                          "neither tensor parallelism nor LoRA")
     quantized = read_quantization_config(hf_config)
+    # What quantized layers need for now: one rank, no LoRA, and a dense model pagedllm implements itself.
+    plain = not (fallback or (group is not None and group.world_size > 1) or spec.max_loras
+                 or any(isinstance(m, FusedMoE) for m in model.modules()))
     if spec.quantization is not None:
         if quantized is not None:
             raise ValueError(f"quantization={spec.quantization!r}: the checkpoint is already quantized "
                              f"({quantized.method})")
-        if device != "cpu" or fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
-                any(isinstance(m, FusedMoE) for m in model.modules()):
+        if device != "cpu" or not plain:
             raise ValueError("quantization='int8' runs on CPU, on one rank, without LoRA, for the dense "
                              "architectures pagedllm implements (not experts), for now")
     if quantized is not None:
-        if fallback or (group is not None and group.world_size > 1) or spec.max_loras or \
-                any(isinstance(m, FusedMoE) for m in model.modules()) or model.checkpoint_splits(model.config):
+        if not plain or model.checkpoint_splits(model.config):
             raise ValueError(f"{quantized.method} checkpoints run on one rank, without LoRA, for the dense "
                              "architectures pagedllm implements whose checkpoints keep q/k/v and gate/up apart (not "
                              "Phi-3's fused tensors, experts or the transformers fallback) for now")

@@ -12,10 +12,10 @@ far more: perf/quantized_linear.py), the weight dequantized in torch for fp32 mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Fp8Config
+from pagedllm_kernels.cpu.build import kernel_module
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 
@@ -58,8 +58,8 @@ class Fp8Linear(StagedLinear):
         mode = self.config.activations
         if mode is None:
             return x
-        kernel = _cpu_kernel()
-        if kernel is not None and x.dtype == torch.bfloat16 and not x.is_cuda and x.shape[-1] % 32 == 0:
+        kernel = None if x.is_cuda else kernel_module("fp8_linear")
+        if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0:
             return kernel.round_input(x, self.input_scale_value if mode == "static" else None,
                                       mode == "dynamic_token")
         if mode == "static":
@@ -80,28 +80,13 @@ class Fp8Linear(StagedLinear):
             from pagedllm_kernels.fp8_matmul import fp8_matmul
 
             return fp8_matmul(x, self.packed, self.scales, self.bias)
-        kernel = _cpu_kernel()
+        kernel = kernel_module("fp8_linear")
         if x.dtype == torch.bfloat16 and kernel is not None:
             return kernel.linear(x, self.packed, self.scales, self.bias)
         from pagedllm_kernels.fp8_layout import dequantize
 
-        w = dequantize(self.packed, self.scales, x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return self.dense(x, dequantize(self.packed, self.scales, x.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.config.method}, "
                 f"weights per {self.config.weight_strategy}, activations {self.config.activations}")
-
-
-_KERNEL = []
-
-
-def _cpu_kernel():
-    if not _KERNEL:
-        try:
-            from pagedllm_kernels.cpu import fp8_linear
-
-            _KERNEL.append(fp8_linear if fp8_linear.cpu_supported()[0] else None)
-        except Exception:  # noqa: BLE001 - no compiler or no AVX-512: torch's path
-            _KERNEL.append(None)
-    return _KERNEL[0]

@@ -11,11 +11,11 @@ per call; the model keeps only the packed copy). fp32 models (the oracle's) dequ
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Int4Config
 from pagedllm.models.quantization.int4_formats import Int4Weight, group_index, unpack_awq, unpack_gptq
+from pagedllm_kernels.cpu.build import kernel_module
 from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 CPU_KERNEL_ROWS = 64  # measured: above this, dequantize + oneDNN is faster on the 125M shapes (perf/README.md)
@@ -40,7 +40,7 @@ class Int4Linear(StagedLinear):
         if any(not torch.equal(p.g_idx, parts[0].g_idx) for p in parts[1:]):
             raise ValueError("int4: the fused projections (q/k/v or gate/up) have different g_idx; they share one "
                              "input, so GPTQ's activation order gives them the same one")
-        gs = self.in_features if self.config.group_size == -1 else self.config.group_size
+        self.group_size = gs = self.in_features if self.config.group_size == -1 else self.config.group_size
         groups = self.in_features // gs
         for part, (_, size) in zip(parts, shards):
             if part.codes.shape != (size, self.in_features):
@@ -54,7 +54,6 @@ class Int4Linear(StagedLinear):
         codes, zeros, scales, group = _contiguous_groups(w, self.config.group_size)
         if group is not w.g_idx:  # desc_act: the input rows were reordered to make the groups contiguous
             self.perm = group
-        self.group_size = self.in_features if self.config.group_size == -1 else self.config.group_size
         packed, s, m = int4_layout.pack(codes, scales, zeros.float(), self.group_size)
         device = self.take_staged()
         self.register_buffer("packed", packed.to(device))
@@ -83,16 +82,15 @@ class Int4Linear(StagedLinear):
             from pagedllm_kernels.int4_matmul import int4_matmul
 
             return int4_matmul(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
-        if x.dtype == torch.bfloat16 and _cpu_kernel() is not None:
+        kernel = kernel_module("int4_linear")
+        if x.dtype == torch.bfloat16 and kernel is not None:
             if x.shape[0] <= CPU_KERNEL_ROWS:
-                return _cpu_kernel().linear(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
-            w = _cpu_kernel().dequantize_into(self.packed, self.scales, self.mins, self.group_size,
-                                              self.buffer.view(self.out_features, self.in_features))
-            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+                return kernel.linear(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
+            return self.dense(x, kernel.dequantize_into(self.packed, self.scales, self.mins, self.group_size,
+                                                        self.buffer.view(self.out_features, self.in_features)))
         from pagedllm_kernels.int4_layout import dequantize
 
-        w = dequantize(self.packed, self.scales, self.mins, self.group_size, x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return self.dense(x, dequantize(self.packed, self.scales, self.mins, self.group_size, x.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.config.method}, "
@@ -110,19 +108,3 @@ def _contiguous_groups(w: Int4Weight, group_size: int):
     if not torch.equal(w.g_idx[order], plain):
         raise ValueError(f"int4: g_idx does not give every group {group_size} input rows")
     return w.codes[:, order].contiguous(), w.zeros, w.scales, order
-
-
-_KERNEL = []
-
-
-def _cpu_kernel():
-    """The C++ int4 kernel module where this CPU can run it (and it builds), else None."""
-    if not _KERNEL:
-        try:
-            from pagedllm_kernels.cpu import int4_linear
-
-            ok, _ = int4_linear.cpu_supported()
-            _KERNEL.append(int4_linear if ok else None)
-        except Exception:  # noqa: BLE001 - no compiler or no AVX-512: torch's path
-            _KERNEL.append(None)
-    return _KERNEL[0]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.models.layers.linear import decoder_linears
+
 
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, kernel) -> None:
@@ -36,9 +38,7 @@ def quantize_to_int8(model: nn.Module) -> int:
     ok, why = int8_linear.vnni_supported()
     if not ok:
         raise ValueError(f"quantization='int8' {why} (AVX512-VNNI int8 dot products)")
-    modules = dict(model.named_modules())
-    targets = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and ".layers." in n]
+    targets = decoder_linears(model)
     for name, linear in targets:
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent], child, Int8Linear(linear, int8_linear))
+        model.set_submodule(name, Int8Linear(linear, int8_linear))
     return len(targets)

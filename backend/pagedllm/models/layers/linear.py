@@ -1,4 +1,5 @@
-"""A linear layer that fuses several checkpoint projections (q/k/v, gate/up) into one matmul."""
+"""A linear layer that fuses several checkpoint projections (q/k/v, gate/up) into one matmul, and the decoder's
+linears that the quantized layers replace."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ class MergedLinear(nn.Linear):
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard}: expected {size} rows, checkpoint has {tensor.shape[0]}")
         param.data[start:start + size].copy_(tensor)
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of every nn.Linear inside the decoder layers: the projections a quantization replaces (the
+    lm_head and the embeddings stay as they are, as the formats leave them)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]

@@ -109,9 +109,7 @@ def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
                if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     amx = _amx_kernel() if targets and use_amx else None
     buffer = amx.WeightBuffer() if amx is not None else None
-    modules = dict(model.named_modules())
     for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
         fast = AmxLinear(linear, amx, buffer) if amx is not None and amx.can_pack(linear.weight) else PackedLinear(linear)
-        setattr(modules[parent_name] if parent_name else model, child, fast)
+        model.set_submodule(name, fast)
     return len(targets)

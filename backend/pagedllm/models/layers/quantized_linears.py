@@ -8,7 +8,7 @@ from torch import nn
 
 from pagedllm.models.layers.fp8_linear import Fp8Linear
 from pagedllm.models.layers.int4_linear import Int4Linear
-from pagedllm.models.layers.linear import MergedLinear
+from pagedllm.models.layers.linear import MergedLinear, decoder_linears
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Fp8Config, Int4Config
 from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
@@ -16,14 +16,11 @@ from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 def replace_quantized_linears(model: nn.Module, config: Int4Config | Fp8Config) -> int:
     kind = Int4Linear if isinstance(config, Int4Config) else Fp8Linear
-    modules = dict(model.named_modules())
-    targets = [(n, m) for n, m in modules.items()
-               if isinstance(m, nn.Linear) and ".layers." in n and config.quantizes(n)]
+    targets = [(n, m) for n, m in decoder_linears(model) if config.quantizes(n)]
     for name, linear in targets:
         sizes = linear.output_sizes if isinstance(linear, MergedLinear) else None
         q = kind(linear.in_features, linear.out_features, sizes, linear.bias is not None, config)
-        parent, _, child = name.rpartition(".")
-        setattr(modules[parent], child, q.to(linear.weight.device))
+        model.set_submodule(name, q.to(linear.weight.device))
     return len(targets)
 
 

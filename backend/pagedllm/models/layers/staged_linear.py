@@ -5,6 +5,7 @@ builds its kernels' layout from them."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,6 +27,10 @@ class StagedLinear(nn.Module):
         name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
         tensor = ckpt if isinstance(ckpt, torch.Tensor) else ckpt[...]
         self._staged[(name, shard)] = tensor  # a bias too: the model's dtype would round an fp16 one
+
+    def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x through a dequantized copy of the weight (the paths without a kernel), with the bias."""
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def shard_sizes(self) -> list[tuple[int | None, int]]:
         """(shard, its output rows) for each checkpoint projection this layer holds."""
