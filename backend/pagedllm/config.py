@@ -11,6 +11,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")  # grammar engines (engine.structured_output)
+
 
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
@@ -253,6 +255,9 @@ class EngineConfig:
     # int8 activations per token at each call), on CPUs with AVX512-VNNI, as vLLM's CPU backend offers. None: as
     # the checkpoint is (a quantized checkpoint is read from its own quantization_config).
     quantization: str | None = None
+    # Structured output's grammar engine when a request names none: "auto" (llguidance; xgrammar for an EBNF
+    # grammar only xgrammar reads), "guidance" or "xgrammar" (engine.structured_output.compiler)
+    structured_outputs_backend: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
     # A SpeculativeConfig, or the same as a dict (engine.json, LLM(...)): converted and validated on creation.
     speculative_config: SpeculativeConfig | None = None
@@ -280,6 +285,8 @@ class EngineConfig:
         _require(self.quantization in (None, "int8"), "quantization",
                  f"must be int8 (W8A8 at load, on CPU) or unset, got {self.quantization!r}; a quantized checkpoint "
                  "(AWQ, GPTQ, FP8) needs no setting")
+        _require(self.structured_outputs_backend in STRUCTURED_OUTPUT_BACKENDS, "structured_outputs_backend",
+                 f"must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.structured_outputs_backend!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",

@@ -29,6 +29,9 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The grammar engine: "guidance" (llguidance), "xgrammar", or "auto"; None: the engine's
+    # structured_outputs_backend (EngineConfig). pagedllm.engine.structured_output.compiler says what auto picks.
+    backend: str | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -52,14 +55,17 @@ class StructuredOutputsParams:
                              f"{_show(self.json)}")
         if self.json_object not in (None, True):
             raise ValueError(f"structured_outputs.json_object: must be true, got {_show(self.json_object)}")
+        if self.backend is not None and not isinstance(self.backend, str):  # its value: the grammar compiler's
+            raise ValueError(f"structured_outputs.backend: must be a string, got {_show(self.backend)}")
 
     @classmethod
     def from_dict(cls, spec: dict) -> StructuredOutputsParams:
         if not isinstance(spec, dict):
             raise ValueError(f"structured_outputs: expected an object, got {_show(spec)}")
-        unknown = sorted(set(spec) - set(cls.KINDS))
+        known = (*cls.KINDS, "backend")
+        unknown = sorted(set(spec) - set(known))
         if unknown:
-            raise ValueError(f"structured_outputs: unsupported key(s) {unknown}; supported: {', '.join(cls.KINDS)}")
+            raise ValueError(f"structured_outputs: unsupported key(s) {unknown}; supported: {', '.join(known)}")
         return cls(**spec)
 
     @property

@@ -46,10 +46,12 @@ def _sampled(llm, spec, n, seed0=0, prompts=("def main():", "import os", "x = 1\
     return [o.outputs[0] for o in llm.generate([prompts[i % len(prompts)] for i in range(n)], params, use_tqdm=False)]
 
 
-def test_two_hundred_sampled_outputs_all_follow_their_constraint(llm):
-    outs = {"json": _sampled(llm, {"json": SCHEMA}, 60), "regex": _sampled(llm, {"regex": REGEX}, 50, 100),
-            "choice": _sampled(llm, {"choice": CHOICES}, 50, 200),
-            "grammar": _sampled(llm, {"grammar": GRAMMAR}, 40, 300)}
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_two_hundred_sampled_outputs_all_follow_their_constraint(llm, backend):
+    b = {"backend": backend}
+    outs = {"json": _sampled(llm, {"json": SCHEMA, **b}, 60), "regex": _sampled(llm, {"regex": REGEX, **b}, 50, 100),
+            "choice": _sampled(llm, {"choice": CHOICES, **b}, 50, 200),
+            "grammar": _sampled(llm, {"grammar": GRAMMAR, **b}, 40, 300)}
     assert sum(map(len, outs.values())) == 200
     for kind, items in outs.items():  # every one ended by the grammar (EOS), none cut by max_tokens
         assert Counter(o.finish_reason for o in items) == {"stop": len(items)}, (kind, [o.text for o in items])
@@ -62,8 +64,9 @@ def test_two_hundred_sampled_outputs_all_follow_their_constraint(llm):
     assert_all_blocks_free(llm)
 
 
-def test_json_object_outputs_that_end_are_objects(llm):
-    outs = _sampled(llm, {"json_object": True}, 24, 400)
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_json_object_outputs_that_end_are_objects(llm, backend):
+    outs = _sampled(llm, {"json_object": True, "backend": backend}, 24, 400)
     done = [o for o in outs if o.finish_reason == "stop"]
     assert done
     assert all(isinstance(_json(o.text), dict) for o in done)
@@ -100,10 +103,16 @@ def test_preemption_keeps_the_grammar_state(llama_dir):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"json": '{"type": "objectx"}'}, "structured_outputs.json: Unsupported type"),
+    ({"json": '{"type": "objectx"}'}, "structured_outputs.json: Invalid type: objectx (guidance)"),
+    ({"json": '{"type": "objectx"}', "backend": "xgrammar"}, "structured_outputs.json: Unsupported type"),
     ({"json": "{not json"}, "structured_outputs.json: not valid JSON"),
-    ({"regex": "a(b"}, "structured_outputs.regex: Regex parsing error"),
-    ({"grammar": "root ::= "}, "structured_outputs.grammar: EBNF parser error"),
+    ({"regex": "a(b"}, "structured_outputs.regex: invalid regex \"a(b\" (in regex): regex parse error: unclosed group"),
+    ({"regex": "a(b", "backend": "xgrammar"}, "structured_outputs.regex: Regex parsing error"),
+    ({"grammar": 'root ::= "a'}, "structured_outputs.grammar: Failed to convert the grammar from GBNF"),
+    ({"grammar": "root ::= ", "backend": "xgrammar"}, "structured_outputs.grammar: EBNF parser error"),
+    # keywords llguidance cannot enforce are refused (xgrammar would take them by ignoring them)
+    ({"json": {"type": "array", "uniqueItems": True}}, 'Unimplemented keys: ["uniqueItems"]'),
+    ({"regex": "a", "backend": "outlines"}, "structured_outputs.backend: must be one of auto, guidance, xgrammar"),
     ({"regex": "a", "choice": ["b"]}, "exactly one of"),
     ({"choice": []}, "structured_outputs.choice: must be a non-empty list"),
     ({"choice": ["ok", 3]}, "structured_outputs.choice"),
@@ -121,11 +130,33 @@ def test_combinations_that_cannot_end_are_refused():
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
 
 
-def test_grammars_compile_once_per_spec(llm):
+def test_grammars_compile_once_per_spec_and_backend(llm):
     compiler = llm.engine.input_processor
     a = compiler.compile_grammar(SamplingParams(structured_outputs={"json": SCHEMA}))
     b = compiler.compile_grammar(SamplingParams(structured_outputs={"json": json.dumps(SCHEMA)}))
-    assert a is b  # the same schema as a dict or as text is one cache entry
+    assert a is b and a.backend == "guidance"  # the same schema as a dict or as text is one cache entry
+    c = compiler.compile_grammar(SamplingParams(structured_outputs={"json": SCHEMA, "backend": "xgrammar"}))
+    assert c.backend == "xgrammar" and c is compiler.compile_grammar(
+        SamplingParams(structured_outputs={"json": SCHEMA, "backend": "xgrammar"}))
+
+
+def test_auto_takes_xgrammars_own_ebnf_to_xgrammar(llm):
+    """A grammar in xgrammar's extensions to GBNF (TagDispatch) that llguidance cannot read compiles with
+    xgrammar under auto; the request runs."""
+    spec = {"grammar": 'root ::= TagDispatch(("<a>", b))\nb ::= "x"'}
+    assert llm.engine.input_processor.compile_grammar(SamplingParams(structured_outputs=spec)).backend == "xgrammar"
+    out = llm.generate("x", SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length")
+    assert_all_blocks_free(llm)
+
+
+def test_the_engine_default_backend_is_a_setting(llama_dir):
+    llm = LLM(llama_dir, **ENGINE, structured_outputs_backend="xgrammar")
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs={"regex": REGEX})
+    assert llm.engine.input_processor.compile_grammar(params).backend == "xgrammar"
+    assert re.fullmatch(REGEX, llm.generate("x", params, use_tqdm=False)[0].outputs[0].text)
+    with pytest.raises(ValueError, match="structured_outputs_backend: must be one of auto, guidance, xgrammar"):
+        LLM(llama_dir, **ENGINE, structured_outputs_backend="outlines")
 
 
 def test_speculation_skips_constrained_requests(llama_dir):
@@ -136,3 +167,19 @@ def test_speculation_skips_constrained_requests(llama_dir):
                                                       structured_outputs={"regex": REGEX})] * 4, use_tqdm=False)
     assert all(re.fullmatch(REGEX, o.outputs[0].text) for o in outs)
     assert llm.get_stats().spec_decode_num_draft_tokens == 0
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_auto_on_xgrammar(llm, monkeypatch):
+    """Where llguidance refuses the tokenizer (it reads only `tokenizers`-backed ones), auto compiles with
+    xgrammar and an explicit guidance request is refused with the reason."""
+    from pagedllm.engine.structured_output import compiler as module
+
+    def unreadable(*args):
+        raise ValueError("llguidance cannot use this tokenizer (TypeError: slow tokenizer)")
+
+    monkeypatch.setitem(module._MAKERS, "guidance", unreadable)
+    info = llm.engine.model_info
+    grammars = module.GrammarCompiler(llm.engine.tokenizer, info.vocab_size, info.eos_token_ids)
+    assert grammars.compile(StructuredOutputsParams(regex=REGEX)).backend == "xgrammar"
+    with pytest.raises(ValueError, match=r"structured_outputs.regex: llguidance cannot use this tokenizer .*\(guidance\)"):
+        grammars.compile(StructuredOutputsParams(regex=REGEX, backend="guidance"))

@@ -34,9 +34,12 @@ def _text(arr) -> tuple[str, np.ndarray]:
     return np.array([arr.encode()], dtype=np.object_), "BYTES"
 
 
-@pytest.mark.parametrize("key", ["structured_outputs", "guided_decoding"])
-def test_vllm_backend_keys(server, offline, key):
-    sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 64, key: {"json": SCHEMA}}
+@pytest.mark.parametrize("key, backend", [("structured_outputs", None), ("guided_decoding", None),
+                                          ("guided_decoding", "xgrammar"), ("structured_outputs", "guidance")])
+def test_vllm_backend_keys(server, offline, key, backend):
+    """Either grammar engine, named in the request or not (the default: guidance), gives the offline text."""
+    spec = {"json": SCHEMA, "backend": backend}
+    sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 64, key: spec}
     status, body = post(server, "generate", {"text_input": "def f():", "exclude_input_in_output": True,
                                              "sampling_parameters": json.dumps(sampling)})
     assert status == 200, body
@@ -44,7 +47,7 @@ def test_vllm_backend_keys(server, offline, key):
     got = json.loads(text)
     assert set(got) == {"id", "kind"} and got["kind"] in ("cat", "dog")
     expected = offline.generate("def f():", SamplingParams(temperature=1.0, seed=3, max_tokens=64,
-                                                           structured_outputs={"json": SCHEMA}), use_tqdm=False)
+                                                           structured_outputs=spec), use_tqdm=False)
     assert text == expected[0].outputs[0].text
 
 
@@ -68,11 +71,11 @@ def test_tensorrt_llm_guided_decoding_tensors(server, guide_type, guide, check):
 
 @pytest.mark.parametrize("payload, message", [
     ({"sampling_parameters": json.dumps({"structured_outputs": {"regex": "a(b"}})},
-     "structured_outputs.regex: Regex parsing error"),
+     "structured_outputs.regex: invalid regex"),
     ({"sampling_parameters": json.dumps({"guided_decoding": {"json": {"type": "nope"}}})},
      "structured_outputs.json:"),
     ({"sampling_parameters": json.dumps({"guided_decoding": {"regex": "a", "backend": "outlines"}})},
-     "backend: only xgrammar"),
+     "backend: must be one of auto, guidance, xgrammar"),
     ({"guided_decoding_guide_type": "structural_tag", "guided_decoding_guide": "{}"},
      "guided_decoding_guide_type: expected one of"),
     ({"guided_decoding_guide_type": "regex"}, "guided_decoding_guide: is required"),

@@ -60,7 +60,8 @@ class LLMEngine:
         with startup.phase("tokenizer and config"):
             self.tokenizer = load_tokenizer(config.model, config.tokenizer)
             self.model_info = info = ModelInfo.resolve(config, self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template, config.lora)
+        self.input_processor = InputProcessor(self.tokenizer, info, config.limits, config.chat_template, config.lora,
+                                              config.structured_outputs_backend)
         self.input_processor.loras.check_declared()  # a broken declared adapter fails the start, naming it
         # dynamic NTK rope: prompts longer than this are rotated for their own length (models/layers/rotary.py)
         self.long_prompt_rope = original_context(info.hf_config) if rope_type(info.hf_config) == "dynamic" else None

@@ -37,8 +37,10 @@ class ProcessedRequest:
 
 class InputProcessor:
     def __init__(self, tokenizer, info: ModelInfo, limits: RequestLimits | None = None,
-                 chat_template: str | None = None, lora: LoRAConfig | None = None) -> None:
+                 chat_template: str | None = None, lora: LoRAConfig | None = None,
+                 structured_outputs_backend: str = "auto") -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_backend = structured_outputs_backend
         self.loras = LoRARegistry(lora or LoRAConfig(), info.hf_config)
         self.chat = ChatTemplate(tokenizer, chat_template)
         self._grammar_compiler: GrammarCompiler | None = None  # made on the first constrained request
@@ -73,7 +75,8 @@ class InputProcessor:
         if params.structured_outputs is None:
             return None
         if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+                                                     self.structured_outputs_backend)
         return self._grammar_compiler.compile(params.structured_outputs)
 
     def process_chat(self, messages, params: SamplingParams | None = None, priority: int = 0,

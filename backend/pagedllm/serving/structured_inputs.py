@@ -1,8 +1,8 @@
 """Structured-output requests in both contracts, as the `structured_outputs` dict SamplingParams takes:
 
 - vllm_backend: `structured_outputs` (vLLM >= 0.10) or `guided_decoding` (earlier) in `sampling_parameters`,
-  an object (or its JSON text) with one of json, regex, choice, grammar, json_object; `guided_decoding` may also
-  name a `backend`, which must be ours (xgrammar, or auto);
+  an object (or its JSON text) with one of json, regex, choice, grammar, json_object, and optionally the
+  `backend` that compiles it (guidance, xgrammar or auto; others, such as outlines, are refused by name);
 - TensorRT-LLM: the `guided_decoding_guide_type` tensor (json, json_schema, regex, ebnf_grammar) with the
   `guided_decoding_guide` tensor (its text; none for json).
 The spec itself (a valid schema, regex, grammar) is checked when the grammar compiles (InputProcessor).
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 
-_BACKENDS = (None, "auto", "xgrammar")
+from pagedllm.config import STRUCTURED_OUTPUT_BACKENDS
+
 _TRTLLM_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 
@@ -30,11 +31,12 @@ def from_vllm(value, name: str) -> dict:
     if not isinstance(value, dict):
         raise StructuredInputError(f"{name}: expected an object with one of json, regex, choice, grammar, "
                                    "json_object")
-    spec = dict(value)
-    backend = spec.pop("backend", None)
-    if backend not in _BACKENDS:
-        raise StructuredInputError(f"{name}.backend: only xgrammar (or auto) is available, got {backend!r}")
-    return {k: v for k, v in spec.items() if v is not None}
+    spec = {k: v for k, v in value.items() if v is not None}
+    backend = spec.get("backend")
+    if backend is not None and backend not in STRUCTURED_OUTPUT_BACKENDS:
+        raise StructuredInputError(f"{name}.backend: must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got "
+                                   f"{backend!r}")
+    return spec
 
 
 def from_trtllm(guide_type: str, guide: str | None) -> dict:

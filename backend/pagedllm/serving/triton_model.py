@@ -99,7 +99,8 @@ class TritonPythonModel:
         # thread detokenizes with the engine's. The two are never shared across threads.
         cfg = self.engine_config
         tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
-        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits, cfg.chat_template, cfg.lora)
+        self.inputs = InputProcessor(tokenizer, self.loop.engine.model_info, cfg.limits, cfg.chat_template, cfg.lora,
+                                     cfg.structured_outputs_backend)
         if self._param("enable_metrics", "true").lower() == "true" and self.serving.enable_metrics:
             labels = {"model": self.model_name, "version": str(args["model_version"])}
             self.metrics = MetricsPublisher(pb_utils, lambda: self.loop.engine, labels, lambda: {

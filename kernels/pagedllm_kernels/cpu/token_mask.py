@@ -1,6 +1,6 @@
 """Structured output's token masks on CPU logits (the C++ in token_mask.cpp): launcher and torch reference.
 
-A bitmask row holds one bit per token (bit t of word t // 32, least significant first: xgrammar's layout);
+A bitmask row holds one bit per token (bit t of word t // 32, least significant first: xgrammar's and llguidance's layout);
 a clear bit, or a token past the mask's width, sets that token's logit to -inf.
 """
 

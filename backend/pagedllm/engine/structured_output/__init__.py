@@ -1,2 +1,3 @@
-"""Structured output: grammars compiled with xgrammar (compiler.py) and followed token by token
-(request_grammar.py: one matcher per request, its token bitmask applied by the sampler)."""
+"""Structured output: grammars compiled by llguidance or xgrammar (compiler.py, one file per backend) and
+followed token by token (request_grammar.py: one matcher per request, its token bitmask applied before the
+sampler)."""

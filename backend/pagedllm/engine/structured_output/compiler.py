@@ -1,80 +1,103 @@
-"""Compiles a request's `StructuredOutputsParams` into an xgrammar grammar, once per (tokenizer, spec).
+"""Compiles a request's `StructuredOutputsParams` into a grammar, once per (backend, spec), with the backend it
+names or the engine's default (`EngineConfig.structured_outputs_backend`):
 
-Why xgrammar: it is the engine vLLM and TensorRT-LLM use; its compiled grammars precompute, for every
-grammar state, which tokens of the vocabulary can follow, so a step costs one bitmask fill per constrained
-row (measured on the tiny model's 2,048-token vocabulary: a JSON schema compiles in under a millisecond,
-perf/structured_output.py reports compile and per-step figures). Compilation runs where the request is
-processed (the front end's thread, or the offline caller's), never on the engine thread, and its errors
-are ValueErrors that name the problem, so an invalid schema or regex is refused before anything is queued.
+- `guidance` (llguidance) or `xgrammar`, the two engines vLLM ships; their matchers share one bitmask layout,
+  so the sampler's mask kernel takes either;
+- `auto`: guidance, measured faster per step on every schema (perf/structured_output.py). An EBNF grammar
+  guidance cannot read (xgrammar's own extensions to GBNF) goes to xgrammar. A JSON schema or regex guidance
+  refuses stays refused: xgrammar takes some of those (uniqueItems, not, if/then, lookahead patterns) by
+  ignoring the keyword, which would let outputs break the schema. (vLLM's auto falls back from xgrammar.)
 
-JSON is compiled without free whitespace between tokens (compact JSON, as `json.dumps(separators=(",", ":"))`
-writes it): with arbitrary whitespace allowed, a model may emit whitespace for ever inside a valid prefix.
+Compilation runs where the request is processed (the front end's thread, or the offline caller's), never on
+the engine thread, and its errors are ValueErrors that name the field and the problem, so an invalid schema,
+regex or grammar is refused before anything is queued.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 
+from pagedllm.engine.structured_output.guidance_backend import GuidanceBackend
+from pagedllm.engine.structured_output.xgrammar_backend import XGrammarBackend
+from pagedllm.config import STRUCTURED_OUTPUT_BACKENDS
 from pagedllm.sampling_params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used evicted)
+_MAKERS = {"guidance": GuidanceBackend, "xgrammar": XGrammarBackend}
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
-        import xgrammar as xgr
-
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int], default: str = "auto") -> None:
+        if default not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_backend: must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {default!r}")
+        self.default = default
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._backends: dict[str, object] = {}  # made on first use (each reads the vocabulary: ~0.3 s)
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()  # front ends may process requests on several threads
+        self._make_lock = threading.Lock()  # held while a backend reads the vocabulary, not for cache hits
         self.vocab_size = vocab_size
 
     def compile(self, spec: StructuredOutputsParams):
-        """The xgrammar CompiledGrammar for `spec`; ValueError naming the problem if it is invalid."""
-        key = spec.key()
+        """The compiled grammar for `spec` (its `new_matcher()` starts a request); ValueError naming the problem
+        if it is invalid."""
+        backend = spec.backend or self.default
+        if backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs.backend: must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, "
+                             f"got {backend!r}")
+        key = (backend, *spec.key())
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(spec)
+        compiled = self._compile(backend, spec)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, spec: StructuredOutputsParams):
+    def _compile(self, backend: str, spec: StructuredOutputsParams):
         kind = spec.kind
-        where = f"structured_outputs.{kind}"
+        value = getattr(spec, kind)
+        if kind == "json":
+            value = value if isinstance(value, str) else json.dumps(value)
+            try:  # a schema that is not JSON gets JSON's message, not a converter's
+                json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON ({e.msg} at position {e.pos})") from None
+        order = [backend]
+        if backend == "auto":
+            order = ["guidance", "xgrammar"] if kind == "grammar" else ["guidance"]
+            if not self._usable("guidance"):  # llguidance cannot read this tokenizer
+                order = ["xgrammar"]
+        refusals = []
+        for name in order:
+            try:
+                return self._backend(name).compile(kind, value)
+            except ValueError as e:
+                refusals.append(f"{e} ({name})")
+        raise ValueError(f"structured_outputs.{kind}: {refusals[0]}")
+
+    def _usable(self, name: str) -> bool:
         try:
-            if kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                json.loads(schema)  # a schema that is not JSON gets JSON's message, not a converter's
-                return self._compiler.compile_json_schema(schema, any_whitespace=False)
-            if kind == "json_object":  # OpenAI's json_object mode: some JSON object (not any JSON value)
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return self._compiler.compile_regex("|".join(f"({_literal(c)})" for c in spec.choice))
-            return self._compiler.compile_grammar(spec.grammar)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg} at position {e.pos})") from None
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"{where}: {_reason(e)}") from None
+            self._backend(name)
+            return True
+        except ValueError:
+            return False
 
-
-def _literal(text: str) -> str:
-    """`text` as a regex matching itself (re.escape also escapes spaces, which xgrammar warns about)."""
-    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
-
-
-def _reason(err: Exception) -> str:
-    """xgrammar's message without its source location prefix ("[09:26:58] /project/cpp/x.cc:94: ...")."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text)
+    def _backend(self, name: str):
+        """The named backend; ValueError if it cannot work with this tokenizer (remembered: it will not change)."""
+        with self._make_lock:
+            if name not in self._backends:
+                try:
+                    self._backends[name] = _MAKERS[name](*self._args)
+                except ValueError as e:
+                    self._backends[name] = e
+            made = self._backends[name]
+        if isinstance(made, ValueError):
+            raise ValueError(str(made))
+        return made

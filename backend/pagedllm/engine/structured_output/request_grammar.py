@@ -1,4 +1,4 @@
-"""One request's grammar state (an xgrammar matcher) and the per-step bitmask over a batch.
+"""One request's grammar state (its backend's matcher) and the per-step bitmask over a batch.
 
 Only the rows of constrained requests are touched: `GrammarMasks` fills their masks and masks their logits in
 place before the sampler sees them, so free requests in the same batch keep the
@@ -15,29 +15,25 @@ import torch
 
 class RequestGrammar:
     def __init__(self, compiled) -> None:
-        import xgrammar as xgr
-
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self.matcher_vocab_size = compiled.tokenizer_info.vocab_size
+        """`compiled`: GrammarCompiler.compile's grammar (either backend)."""
+        self.matcher = compiled.new_matcher()
+        self.vocab_size = compiled.vocab_size
 
     def accept(self, token_id: int) -> None:
         """Advance by a sampled token; ValueError if the grammar forbids it (the bitmask should have)."""
-        if not self.matcher.accept_token(token_id):
+        if not self.matcher.accept(token_id):
             raise ValueError(f"structured output: token {token_id} does not follow the grammar")
-
-    @property
-    def finished(self) -> bool:
-        return self.matcher.is_terminated()
 
 
 class GrammarMasks:
-    """The constrained rows' token masks: filled by xgrammar once the forward pass has been launched (on a GPU
-    the fill overlaps it; on the CPU it follows it), then applied to the logits in place before sampling.
+    """The constrained rows' token masks: filled by their matchers once the forward pass has been launched (on
+    a GPU the fill overlaps it; on the CPU it follows it), then applied to the logits in place before sampling.
 
-    Measured on 2 cores (perf/structured_output.py, 19M model): filling on a thread of its own while the forward
-    pass runs, or ahead from the end of the previous step, was no faster than filling here (0.78-0.81 against
-    0.80-0.84 of the free batch's speed in interleaved runs): the fill releases the GIL, but its thread competes
-    with torch's threads for the cores. xgrammar's batch fill was slower still. The mask itself is applied on
+    Measured on 2 cores (perf/structured_output.py, 19M model, xgrammar): filling on a thread of its own while
+    the forward pass runs, or ahead from the end of the previous step, was no faster than filling here
+    (0.78-0.81 against 0.80-0.84 of the free batch's speed in interleaved runs): the fill releases the GIL, but
+    its thread competes with torch's threads for the cores. xgrammar's batch fill, on one thread or two, was
+    slower still (torch's OpenMP workers still spin after the forward pass). The mask itself is applied on
     the CPU by our AVX-512 kernel (pagedllm_kernels.cpu.token_mask) straight from the bitmask, one masked
     store per 32 tokens: ~30 us for 32 rows of a 32k vocabulary, against ~2-4 ms for torch's bit expansion and
     masked fill (its torch reference, still used off the CPU)."""
@@ -65,10 +61,9 @@ class GrammarMasks:
 
 
 def _fill(grammars: list[RequestGrammar]) -> torch.Tensor:
-    """A compact [len(grammars), vocab/32] bitmask, row j for grammars[j]."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(len(grammars), grammars[0].matcher_vocab_size)
+    """A compact int32 [len(grammars), ceil(vocab / 32)] bitmask, row j for grammars[j] (bit t: token t may
+    follow; both backends write this layout)."""
+    bitmask = torch.full((len(grammars), (grammars[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
     for j, g in enumerate(grammars):
-        g.matcher.fill_next_token_bitmask(bitmask, j)
+        g.matcher.fill(bitmask, j)
     return bitmask
