@@ -1,6 +1,7 @@
 """GPU benchmarks (run by perf/gpu_check.sh on a CUDA machine): HBM bandwidth, paged decode attention vs
 torch SDPA on contiguous KV (same lengths) in GB/s, and end-to-end decode of a ~1B random Llama at batch
-1, 8, 64 against the weights-bandwidth roofline. One JSON line per result."""
+1, 8, 64 against the weights-bandwidth roofline, with decode CUDA graphs and without (enforce_eager). One JSON
+line per result."""
 
 from __future__ import annotations
 
@@ -62,30 +63,40 @@ def attention_bench(peak: float) -> None:
 
 
 def decode_bench(peak: float) -> None:
+    """Decode with the CUDA-graph buckets (the default) and with enforce_eager, one engine after the other."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.tiny_model import make_tiny_model
 
     path = os.path.join(tempfile.gettempdir(), "pagedllm-1b")
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, arch="llama", size="1b", dtype="bfloat16")
-    llm = LLM(path, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=8 << 30, max_num_seqs=64)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
-    emit({"bench": "engine", "attention_backend": llm.get_stats().attention_backend,
-          "selection": llm.get_stats().attention_selection, "weights_GB": round(weights / 1e9, 2)})
-    for batch in (1, 8, 64):
-        prompts = [{"prompt_token_ids": [0] + [(7 * i + j) % 31000 + 3 for j in range(127)]} for i in range(batch)]
-        params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        steps_per_s = 128 / elapsed  # one decode step per token of each request
-        emit({"bench": "e2e_decode", "batch": batch, "output_tokens_per_s": round(tokens / elapsed, 1),
-              "steps_per_s": round(steps_per_s, 1),
-              "fraction_of_weight_roofline": round(steps_per_s * weights / peak, 3)})
+    for eager in (False, True):
+        llm = LLM(path, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=8 << 30, max_num_seqs=64,
+                  enforce_eager=eager)
+        weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
+        stats = llm.get_stats()
+        emit({"bench": "engine", "enforce_eager": eager, "attention_backend": stats.attention_backend,
+              "selection": stats.attention_selection, "decode_graphs": stats.decode_graphs,
+              "weights_GB": round(weights / 1e9, 2)})
+        for batch in (1, 8, 64):
+            prompts = [{"prompt_token_ids": [0] + [(7 * i + j) % 31000 + 3 for j in range(127)]} for i in range(batch)]
+            params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            runs = []
+            for _ in range(3):  # steady state: the median of three timed runs after the warm-up
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+                runs.append(time.perf_counter() - t0)
+            elapsed = sorted(runs)[1]
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            steps_per_s = 128 / elapsed  # one decode step per token of each request
+            emit({"bench": "e2e_decode", "enforce_eager": eager, "batch": batch,
+                  "output_tokens_per_s": round(tokens / elapsed, 1), "steps_per_s": round(steps_per_s, 1),
+                  "fraction_of_weight_roofline": round(steps_per_s * weights / peak, 3)})
+        del llm
+        torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -259,6 +259,11 @@ class EngineConfig:
     # grammar only xgrammar reads), "guidance" or "xgrammar" (engine.structured_output.compiler)
     structured_outputs_backend: str = "auto"
     device: str = "auto"  # "auto" (cuda when available) | "cpu" | "cuda" | "cuda:N"
+    # Decode steps replay CUDA graphs on a GPU (engine/decode_graphs.py), one per batch-size bucket:
+    # `cuda_graph_sizes` (default: 1, 2, 4, then every 8, up to max_num_seqs, which is added), as vLLM's;
+    # `enforce_eager` turns them off. Sizes given where graphs cannot run (CPU, ...) are refused, saying why.
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     # A SpeculativeConfig, or the same as a dict (engine.json, LLM(...)): converted and validated on creation.
     speculative_config: SpeculativeConfig | None = None
     # Ranks the model is split over (1: no parallelism). cache.kv_cache_memory_bytes is per rank (as vLLM's
@@ -285,6 +290,11 @@ class EngineConfig:
         _require(self.quantization in (None, "int8"), "quantization",
                  f"must be int8 (W8A8 at load, on CPU) or unset, got {self.quantization!r}; a quantized checkpoint "
                  "(AWQ, GPTQ, FP8) needs no setting")
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        _require(self.cuda_graph_sizes is None or (
+            isinstance(self.cuda_graph_sizes, (list, tuple)) and self.cuda_graph_sizes
+            and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in self.cuda_graph_sizes)),
+            "cuda_graph_sizes", f"must be a non-empty list of batch sizes > 0, got {self.cuda_graph_sizes!r}")
         _require(self.structured_outputs_backend in STRUCTURED_OUTPUT_BACKENDS, "structured_outputs_backend",
                  f"must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.structured_outputs_backend!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,

@@ -19,6 +19,7 @@ import time
 import torch
 
 from pagedllm.attention.selector import ProbeShape, select_backend
+from pagedllm.engine.decode_graphs import capture_sizes, graphs_unsupported
 from pagedllm.config import EngineConfig
 from pagedllm.engine.executor import make_executor
 from pagedllm.engine.faults import FaultInjector
@@ -134,7 +135,23 @@ class LLMEngine:
             self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
         with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens, {info.kv_dtype}"):
             self.executor.init_cache(num_blocks, self.backend)
+        self.decode_graphs = self._capture_decode_graphs(model, cc.block_size)
         return num_blocks
+
+    def _capture_decode_graphs(self, model, block_size: int) -> dict:
+        """Decode CUDA graphs where they can run (else why not): {"sizes": captured buckets, "reason": ...}."""
+        cfg = self.config
+        why = "enforce_eager" if cfg.enforce_eager else graphs_unsupported(
+            model, self.backend, self.model_info.device, cfg.tensor_parallel_size)
+        if why is not None and cfg.cuda_graph_sizes is not None and not cfg.enforce_eager:
+            raise ValueError(f"cuda_graph_sizes: decode CUDA graphs cannot run here: {why}")
+        if why is not None:
+            logger.info("decode CUDA graphs: off (%s)", why)
+            return {"sizes": [], "reason": why}
+        sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.cuda_graph_sizes)
+        with self.startup.phase("decode CUDA graphs", f"{len(sizes)} buckets up to {max(sizes)}"):
+            captured = self.executor.capture_decode_graphs(sizes, -(-self.max_model_len // block_size))
+        return {"sizes": list(captured), "reason": "captured" if captured else "capture failed (see the log)"}
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: PromptType | ProcessedRequest, params: SamplingParams | None = None,
@@ -407,7 +424,7 @@ class LLMEngine:
             attention_selection={"chosen": selection.chosen, "reason": selection.reason,
                                  "results": selection.results},
             kernels={"fused_cpu_ops": self.config.fused_cpu_ops, "amx_linear": self.config.amx_linear},
-            moe_expert_tokens=self._expert_tokens(),
+            decode_graphs=dict(self.decode_graphs), moe_expert_tokens=self._expert_tokens(),
             lora_max=self.lora_slots.max_loras if self.lora_slots else 0,
             lora_loads=self.lora_slots.num_loads if self.lora_slots else 0)
 

@@ -1,5 +1,6 @@
 """Runs one step's forward pass on one rank: owns the rank's KV tensors, builds the attention metadata from a
-StepInputs (made on rank 0, see step_inputs.py) and returns the logits of the rows that asked for them."""
+StepInputs (made on rank 0, see step_inputs.py) and returns the logits of the rows that asked for them. A pure
+decode step replays a CUDA graph where they were captured (decode_graphs.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class ModelRunner:
         # torch.zeros writes every page: the whole budget is resident from the start (measured), so memory does
         # not grow as blocks come into use.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geo.num_layers)]
+        self.graphs = None  # DecodeGraphs (engine/decode_graphs.py): pure decode steps replayed per bucket
 
     @torch.inference_mode()
     def execute_step(self, step: StepInputs) -> torch.Tensor:
@@ -32,6 +34,9 @@ class ModelRunner:
             self.copy_blocks(step.block_copies)
         if self.lora is not None:
             self.set_lora(step)
+        bucket = self.graphs.bucket(step) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(step, bucket)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
             block_tables=torch.from_numpy(step.block_table).to(dev),

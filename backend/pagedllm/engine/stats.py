@@ -27,6 +27,7 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft i
     kernels: dict[str, bool] = field(default_factory=dict)  # the CPU kernel switches (EngineConfig)
+    decode_graphs: dict = field(default_factory=dict)  # CUDA-graph buckets captured ("sizes"), or why none ("reason")
     lora_max: int = 0  # LoRA slots (0: LoRA off)
     lora_running: list[str] = field(default_factory=list)  # adapters of running requests, by name
     lora_waiting: list[str] = field(default_factory=list)  # adapters of waiting requests

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.distributed.comm import TensorParallelGroup
 from pagedllm.distributed.tensor_parallel import shard_model
+from pagedllm.engine.decode_graphs import DecodeGraphs
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
 from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
@@ -93,6 +94,14 @@ class Worker:
     def init_cache(self, num_blocks: int, backend) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
+
+    def capture_decode_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> tuple[int, ...]:
+        """Capture and check a CUDA graph per decode bucket; the sizes captured (none if the capture failed)."""
+        graphs = DecodeGraphs(self.runner, sizes, max_blocks)
+        graphs.capture_all()
+        if graphs.graphs:
+            self.runner.graphs = graphs
+        return tuple(sorted(graphs.graphs))
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         return self.runner.execute_step(step)
