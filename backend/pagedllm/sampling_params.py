@@ -82,8 +82,8 @@ class StructuredOutputsParams:
                 value = json.loads(value)
             except ValueError:
                 pass  # not JSON: the compiler refuses it
-        if isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
+        if isinstance(value, dict):  # key order kept: properties are generated in the schema's order
+            value = json.dumps(value)
         return self.kind, value if isinstance(value, str) else repr(value)
 
 

@@ -57,7 +57,8 @@ def test_two_hundred_sampled_outputs_all_follow_their_constraint(llm, backend):
         assert Counter(o.finish_reason for o in items) == {"stop": len(items)}, (kind, [o.text for o in items])
     for o in outs["json"]:
         jsonschema.validate(_json(o.text), SCHEMA)
-    assert all(re.fullmatch(REGEX, o.text) for o in outs["regex"]), [o.text for o in outs["regex"]]
+    # re.ASCII: \d is an ASCII digit in both engines (as in JSON Schema's patterns)
+    assert all(re.fullmatch(REGEX, o.text, re.ASCII) for o in outs["regex"]), [o.text for o in outs["regex"]]
     assert all(o.text in CHOICES for o in outs["choice"])
     assert len({o.text for o in outs["choice"]}) >= 2  # sampled, not a fixed answer
     assert all(re.fullmatch(GRAMMAR_RE, o.text) for o in outs["grammar"]), [o.text for o in outs["grammar"]]
@@ -112,6 +113,7 @@ def test_preemption_keeps_the_grammar_state(llama_dir):
     ({"grammar": "root ::= ", "backend": "xgrammar"}, "structured_outputs.grammar: EBNF parser error"),
     # keywords llguidance cannot enforce are refused (xgrammar would take them by ignoring them)
     ({"json": {"type": "array", "uniqueItems": True}}, 'Unimplemented keys: ["uniqueItems"]'),
+    ({"json": "false"}, "structured_outputs.json: the schema false matches nothing"),
     ({"regex": "a", "backend": "outlines"}, "structured_outputs.backend: must be one of auto, guidance, xgrammar"),
     ({"regex": "a", "choice": ["b"]}, "exactly one of"),
     ({"choice": []}, "structured_outputs.choice: must be a non-empty list"),
@@ -138,6 +140,54 @@ def test_grammars_compile_once_per_spec_and_backend(llm):
     c = compiler.compile_grammar(SamplingParams(structured_outputs={"json": SCHEMA, "backend": "xgrammar"}))
     assert c.backend == "xgrammar" and c is compiler.compile_grammar(
         SamplingParams(structured_outputs={"json": SCHEMA, "backend": "xgrammar"}))
+
+
+def test_schemas_differing_in_property_order_are_two_grammars(llm):
+    compiler = llm.engine.input_processor
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    ba = {**ab, "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    first, second = (compiler.compile_grammar(SamplingParams(structured_outputs={"json": s})) for s in (ab, ba))
+    assert first is not second
+    out = llm.generate("x", SamplingParams(temperature=0, max_tokens=32, structured_outputs={"json": ba}),
+                       use_tqdm=False)[0].outputs[0].text
+    assert out.startswith('{"b":'), out  # properties are generated in the schema's order
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"secret": {"type": "string", "format": "password", "maxLength": 8},
+                                      "blob": {"type": "string", "format": "binary", "maxLength": 8}},
+     "required": ["secret", "blob"], "additionalProperties": False},  # what Pydantic writes for SecretStr, bytes
+    "true",  # any JSON value
+])
+def test_annotation_formats_and_the_true_schema_are_taken(llm, schema):
+    outs = _sampled(llm, {"json": schema}, 8, 500)
+    for o in outs:
+        if o.finish_reason == "stop":
+            value = _json(o.text)
+            if schema != "true":
+                jsonschema.validate(value, schema)
+
+
+def test_a_matcher_failing_mid_output_fails_its_request_alone(llm):
+    """llguidance's matcher can fail mid-output (a parser resource limit); the mask fill then raises, and that
+    request alone finishes with the error while the others complete."""
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=48, structured_outputs={"json": SCHEMA})
+    ids = [engine.add_request(p, params) for p in ("a", "b", "c")]
+    engine.step()
+    victim = engine.scheduler.requests[ids[1]]
+
+    def broken(bitmask, row):
+        raise ValueError("structured output: parser too complex")
+
+    victim.grammar.matcher.fill = broken
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[ids[1]].outputs[0].finish_reason == "error" and "parser too complex" in done[ids[1]].error
+    for rid in (ids[0], ids[2]):
+        assert done[rid].outputs[0].finish_reason in ("stop", "length")
+    assert_all_blocks_free(llm)
 
 
 def test_auto_takes_xgrammars_own_ebnf_to_xgrammar(llm):

@@ -317,8 +317,14 @@ class LLMEngine:
             picked = logits if len(plain) == len(rows) == logits.shape[0] else logits[[starts[i] for i in plain]]
             reqs = [rows[i].request for i in plain]
             # The constrained rows' grammar masks (in place; the others untouched; constrained requests have no
-            # drafts). With a GPU the forward pass may still be running: the fill overlaps it.
-            self.grammar_masks.apply(picked, reqs)
+            # drafts). With a GPU the forward pass may still be running: the fill overlaps it. A request whose
+            # matcher failed fails alone.
+            failed = self.grammar_masks.apply(picked, reqs)
+            if failed:
+                for j, err in failed.items():
+                    outputs += self._fail_request(reqs[j], err)
+                kept = [j for j in range(len(reqs)) if j not in failed]
+                picked, reqs = picked[kept], [reqs[j] for j in kept]
             keep, extra = self.groups.route_rows(picked, reqs)  # beams report; waiting samples join
             if len(keep) < len(reqs) or extra:
                 picked = picked[keep + [j for j, _ in extra]]

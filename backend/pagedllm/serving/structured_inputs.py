@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 
-from pagedllm.config import STRUCTURED_OUTPUT_BACKENDS
-
 _TRTLLM_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 
@@ -31,12 +29,7 @@ def from_vllm(value, name: str) -> dict:
     if not isinstance(value, dict):
         raise StructuredInputError(f"{name}: expected an object with one of json, regex, choice, grammar, "
                                    "json_object")
-    spec = {k: v for k, v in value.items() if v is not None}
-    backend = spec.get("backend")
-    if backend is not None and backend not in STRUCTURED_OUTPUT_BACKENDS:
-        raise StructuredInputError(f"{name}.backend: must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got "
-                                   f"{backend!r}")
-    return spec
+    return {k: v for k, v in value.items() if v is not None}  # a backend is checked with the spec
 
 
 def from_trtllm(guide_type: str, guide: str | None) -> dict:

@@ -43,13 +43,13 @@ class GrammarMasks:
         self.kernel = kernel
 
     @torch.inference_mode()  # the logits are an inference tensor
-    def apply(self, logits: torch.Tensor, reqs: list) -> None:
+    def apply(self, logits: torch.Tensor, reqs: list) -> dict[int, Exception]:
         """Mask, in place, the logits rows of `reqs`' constrained requests (row i is reqs[i]; the others are
-        untouched)."""
+        untouched). Returns the rows whose matcher failed, with the error: those requests must fail alone."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
-            return
-        bitmask = _fill([reqs[i].grammar for i in rows])
+            return {}
+        bitmask, failed = _fill([reqs[i].grammar for i in rows])
         on_cpu = logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype in (torch.float32,
                                                                                            torch.bfloat16)
         if self.kernel is not None and on_cpu:
@@ -58,12 +58,17 @@ class GrammarMasks:
             from pagedllm_kernels.cpu.token_mask import reference_mask_logits_
 
             reference_mask_logits_(logits, rows, bitmask.to(logits.device))
+        return {rows[j]: err for j, err in failed.items()}
 
 
-def _fill(grammars: list[RequestGrammar]) -> torch.Tensor:
+def _fill(grammars: list[RequestGrammar]) -> tuple[torch.Tensor, dict[int, Exception]]:
     """A compact int32 [len(grammars), ceil(vocab / 32)] bitmask, row j for grammars[j] (bit t: token t may
-    follow; both backends write this layout)."""
+    follow; both backends write this layout), and the rows whose matcher raised."""
     bitmask = torch.full((len(grammars), (grammars[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
+    failed = {}
     for j, g in enumerate(grammars):
-        g.matcher.fill(bitmask, j)
-    return bitmask
+        try:
+            g.matcher.fill(bitmask, j)
+        except (ValueError, RuntimeError) as e:
+            failed[j] = e
+    return bitmask, failed

@@ -28,8 +28,6 @@ class XGrammarBackend:
         try:
             if kind == "json":
                 compiled = self._compiler.compile_json_schema(value, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(value)
             elif kind == "choice":
@@ -74,5 +72,3 @@ def _reason(err: Exception) -> str:
     """xgrammar's message without its source location prefix ("[09:26:58] /project/cpp/x.cc:94: ...")."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text)
-
-
