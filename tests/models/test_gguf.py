@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.checkpoint import load_config, load_tokenizer
-from pagedllm.models.gguf_checkpoint import dequantize, gguf_tensors, unpermute_rows
+from pagedllm.models.gguf_checkpoint import gguf_tensors, tensor_directory, unpermute_rows
 
 QUANTIZED_FROM_FLOAT = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
@@ -25,15 +26,20 @@ _STEP = {"F32": 0.0, "F16": 2 ** -11, "BF16": 2 ** -8, "Q8_0": 1 / 127, "Q4_0": 
          "Q5_0": 1 / 16, "Q5_1": 1 / 31}
 
 
-def _one_tensor_file(path, stored: np.ndarray, kind: str) -> gguf.ReaderTensor:
+def _read_one_tensor(path, stored: np.ndarray, kind: str) -> np.ndarray:
+    """Write a file holding `stored` as `kind`, then read it back as the loader does: the file memory-mapped
+    through the tensor directory the reader made (float32, dequantized)."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("blk.0.ffn_down.weight", stored, raw_dtype=None if kind in ("F32", "F16") else Q[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    (tensor,) = gguf.GGUFReader(str(path)).tensors
-    return tensor
+    directory = tensor_directory(gguf.GGUFReader(str(path)))
+    heads = SimpleNamespace(num_attention_heads=1, num_key_value_heads=1)  # no attention tensor in the file
+    ((name, tensor),) = gguf_tensors(str(path), heads, directory)
+    assert name == "model.layers.0.mlp.down_proj.weight"
+    return tensor.numpy()
 
 
 @pytest.mark.parametrize("kind", QUANTIZED_FROM_FLOAT + K_QUANTS)
@@ -41,7 +47,7 @@ def test_each_type_dequantizes_as_the_reference(tmp_path, kind):
     rng = np.random.default_rng(1)
     original = rng.normal(0, 0.05, size=(6, 512)).astype(np.float32)
     stored = encode_tensor(original, kind, rng)
-    got = dequantize(_one_tensor_file(tmp_path / "t.gguf", stored, kind))
+    got = _read_one_tensor(tmp_path / "t.gguf", stored, kind)
     # the reference: the gguf package's dequantization of the bytes as written, not as read back from the file
     reference = gguf.quants.dequantize(stored, Q[kind]).astype(np.float32)
     assert got.shape == (6, 512) and got.dtype == np.float32
@@ -56,9 +62,8 @@ def test_each_type_dequantizes_as_the_reference(tmp_path, kind):
 
 def test_an_unsupported_type_is_refused_by_name(tmp_path):
     stored = np.random.default_rng(0).integers(0, 256, size=(2, 84), dtype=np.uint8)  # one Q2_K block per row
-    tensor = _one_tensor_file(tmp_path / "t.gguf", stored, "Q2_K")
     with pytest.raises(ValueError, match="type Q2_K is not supported"):
-        dequantize(tensor)
+        _read_one_tensor(tmp_path / "t.gguf", stored, "Q2_K")
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -97,16 +102,19 @@ def test_config_and_tokenizer_come_from_the_metadata(tmp_path, tiny_llama):
 
 
 def test_metadata_is_converted_once_then_read_from_the_cache(tmp_path, tiny_llama, monkeypatch):
-    """The second load of a file reads the converted directory (no GGUF parse); the same tokenizer and config
-    come back; an edited file (new mtime) converts afresh; an unwritable cache still loads."""
+    """The second load of a file reads the converted directory (no GGUF parse, for the weights either); the
+    same tokenizer, config and tensors come back; an edited file (new mtime) converts afresh; an unwritable
+    cache still loads."""
     from pagedllm.models import gguf_metadata
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     gguf_metadata._converted_dir.cache_clear()
     path = write_gguf(str(tmp_path / "m.gguf"), tiny_llama)
     first_cfg, first_tok = load_config(path), load_tokenizer(path)
+    first_tensors = dict(gguf_tensors(path, first_cfg))  # read by the gguf reader itself
     (converted,) = (tmp_path / "cache" / "gguf").iterdir()
     assert (converted / "config.json").exists() and (converted / "tokenizer.json").exists()
+    assert (converted / "tensors.json").exists()
 
     gguf_metadata._converted_dir.cache_clear()  # as a new process would start
 
@@ -114,7 +122,10 @@ def test_metadata_is_converted_once_then_read_from_the_cache(tmp_path, tiny_llam
         raise AssertionError("the GGUF metadata was parsed again")
 
     monkeypatch.setattr(gguf_metadata, "_convert", no_parse)
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
     cfg, tok = load_config(path), load_tokenizer(path)
+    mapped = dict(gguf_tensors(path, cfg, gguf_metadata.tensor_directory_of(path)))
+    assert mapped.keys() == first_tensors.keys() and all(torch.equal(mapped[k], first_tensors[k]) for k in mapped)
     assert cfg.to_dict() == first_cfg.to_dict() and cfg.architectures == ["LlamaForCausalLM"]
     text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
     assert tok.encode(text) == first_tok.encode(text) and tok.chat_template == first_tok.chat_template == CHATML

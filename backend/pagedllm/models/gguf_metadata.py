@@ -3,11 +3,12 @@ there afterwards.
 
 Reason: transformers builds both from the file's metadata in Python, parsing the whole vocabulary each time
 (SmolLM2-135M: ~5 s for the config, ~7 s for the tokenizer, on every process start and engine reload). The
-converted `config.json` and `tokenizer.json` load in well under a second. The weights are not cached: they are
-dequantized from the file at every load (pagedllm.models.gguf_checkpoint), so a cache never doubles a model's
-disk footprint.
+converted `config.json` and `tokenizer.json` load in well under a second. Beside them, `tensors.json` (each
+tensor's type, shape and offset) lets the loader map the file without parsing its metadata again. The weights
+are not cached: they are dequantized from the file at every load (pagedllm.models.gguf_checkpoint), so a cache
+never doubles a model's disk footprint.
 
-The cache directory is keyed by the file's absolute path, size and mtime, transformers' version and
+The cache directory is keyed by the file's absolute path, size and mtime, transformers' and gguf's versions and
 CONVERSION_VERSION (bumped when what we write changes), so an edited file or an upgrade converts afresh. It lives
 in $PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm. Each conversion is written to a
 directory of its own and renamed into place, so concurrent loads (tensor-parallel workers, two servers) never
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -30,11 +33,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
 
-from pagedllm.models.gguf_checkpoint import ARCHITECTURES, metadata_overrides
+from pagedllm.models.gguf_checkpoint import ARCHITECTURES, metadata_overrides, tensor_directory
 
 logger = logging.getLogger(__name__)
 
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: tensors.json
+TENSORS = "tensors.json"
 
 
 def cache_root() -> Path:
@@ -53,12 +57,13 @@ def converted_dir(path: str) -> str:
 
 @functools.lru_cache(maxsize=8)  # one stat-keyed lookup per process and file version
 def _converted_dir(path: str, size: int, mtime_ns: int) -> str:
-    key = hashlib.sha256(repr((path, size, mtime_ns, transformers.__version__, CONVERSION_VERSION)).encode())
+    versions = (transformers.__version__, importlib.metadata.version("gguf"), CONVERSION_VERSION)
+    key = hashlib.sha256(repr((path, size, mtime_ns, *versions)).encode())
     final = cache_root() / "gguf" / f"{Path(path).stem}-{key.hexdigest()[:16]}"
     if (final / "config.json").exists():
         return str(final)
     start = time.monotonic()
-    config, tokenizer = _convert(path)
+    config, tokenizer, tensors = _convert(path)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
@@ -66,8 +71,9 @@ def _converted_dir(path: str, size: int, mtime_ns: int) -> str:
         logger.warning("cannot write the GGUF metadata cache under %s (%s): converting into a temporary "
                        "directory, again at the next start", final.parent, e)
         staging = final = Path(tempfile.mkdtemp(prefix="pagedllm-gguf-"))
-    # tokenizer first: config.json is what marks a directory complete
+    # tokenizer and tensors first: config.json is what marks a directory complete
     tokenizer.save_pretrained(staging)
+    (staging / TENSORS).write_text(json.dumps(tensors))
     config.save_pretrained(staging)
     if staging != final:
         try:
@@ -78,13 +84,22 @@ def _converted_dir(path: str, size: int, mtime_ns: int) -> str:
     return str(final)
 
 
+def tensor_directory_of(path: str) -> dict:
+    """The tensors' directory of a `.gguf` file (pagedllm.models.gguf_checkpoint.tensor_directory), as converted."""
+    return json.loads((Path(converted_dir(path)) / TENSORS).read_text())
+
+
 def _convert(path: str):
+    from gguf import GGUFReader
+
     directory, name = os.path.split(path)
-    arch, overrides = metadata_overrides(path)  # refuses an architecture we cannot build
+    reader = GGUFReader(path)
+    arch, overrides = metadata_overrides(reader)  # refuses an architecture we cannot build
+    tensors = tensor_directory(reader)
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     for key, value in overrides.items():
         setattr(config, key, value)
     config.architectures = [ARCHITECTURES[arch]]
     # GGUF weights are dequantized at load; with dtype "auto" they load as bfloat16 (the file names no dtype).
     config.dtype = torch.bfloat16
-    return config, AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return config, AutoTokenizer.from_pretrained(directory, gguf_file=name), tensors

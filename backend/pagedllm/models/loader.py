@@ -19,6 +19,7 @@ from safetensors import safe_open
 from pagedllm.attention.kv_quant import KVScales
 from pagedllm.models.checkpoint import gguf_file
 from pagedllm.models.gguf_checkpoint import gguf_tensors
+from pagedllm.models.gguf_metadata import tensor_directory_of
 from pagedllm.models.registry import resolve_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -137,7 +138,7 @@ def _checkpoint_tensors(model_dir: str, hf_config):
     .bin file's are memory-mapped tensors, a GGUF file's are dense tensors, dequantized one at a time."""
     path = gguf_file(model_dir)
     if path is not None:
-        yield from gguf_tensors(path, hf_config)
+        yield from gguf_tensors(path, hf_config, tensor_directory_of(path))
         return
     kind, files = checkpoint_files(model_dir)
     for file in files:
