@@ -168,3 +168,30 @@ def test_fused_moe_triton_path_matches_grouped_mm(dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     assert int(moe.expert_tokens.sum()) == 2 * 2 * 13  # two forwards, top-2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 13, 70, 300])
+def test_fused_moe_packed_cpu_path_matches_grouped_mm(tokens):
+    """bf16 on the CPU: the experts packed for oneDNN and run one after another on their rows (pack_experts)
+    against torch._grouped_mm on the same weights, from a lone decode row to a prefill (experts with no
+    token included at the small sizes)."""
+    import torch.nn.functional as F
+
+    from pagedllm.models.layers.moe import FusedMoE, pack_experts
+    from pagedllm.models.layers.packed_linear import packing_available
+
+    if not packing_available():
+        pytest.skip("no oneDNN weight packing in this torch build")
+    g = torch.Generator().manual_seed(tokens)
+    moe = FusedMoE(64, 96, 6, 2, True, False, F.silu)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    moe = moe.to(torch.bfloat16)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
+    holder = torch.nn.Sequential(moe)
+    with torch.no_grad():
+        want = moe(x)
+        assert pack_experts(holder) == 1 and moe.packed is not None and moe.w_gate_up.numel() == 0
+        got = moe(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

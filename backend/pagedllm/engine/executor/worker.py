@@ -19,7 +19,7 @@ from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
 from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
 from pagedllm.models.layers.int8_linear import quantize_to_int8
-from pagedllm.models.layers.moe import FusedMoE
+from pagedllm.models.layers.moe import FusedMoE, pack_experts
 from pagedllm.models.layers.packed_linear import pack_linears
 from pagedllm.models.layers.quantized_linears import finish_quantized_linears, replace_quantized_linears
 from pagedllm.models.quantization.config import read_quantization_config
@@ -81,6 +81,7 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     if not fallback:  # transformers' modules may read their linears' .weight
         pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
+        pack_experts(model)  # likewise
     use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)
     return model
 

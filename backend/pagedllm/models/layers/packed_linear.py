@@ -86,18 +86,27 @@ class AmxLinear(nn.Module):
         return y[:rows.shape[0]].view(*x.shape[:-1], self.out_features)
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] weight packed by oneDNN for packed_matmul."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+
+
+def packed_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [n, in] @ the packed weight's transpose (+ bias): [n, out], through the bucketed row counts."""
+    y = torch.ops.mkldnn._linear_pointwise(padded_rows(rows), packed, bias, "none", [], "")
+    return y[:rows.shape[0]]
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
-        self.register_buffer("packed_weight", packed)
+        self.register_buffer("packed_weight", pack_weight(linear.weight))
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(padded_rows(rows), self.packed_weight, self.bias, "none", [], "")
-        return y[:rows.shape[0]].view(*x.shape[:-1], self.out_features)
+        y = packed_matmul(x.reshape(-1, self.in_features), self.packed_weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
