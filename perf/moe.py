@@ -3,7 +3,8 @@
 of 16) in one run, and, with --with-vllm, vLLM's CPU build (its documented CPU setup; the same full warm-up pass
 and timed rounds as ours, perf/vllm_peer.py); then the fused MoE layer
 alone: achieved FLOP/s at decode (64 tokens) and prefill (2,048 tokens) sizes against the bf16 matmul peak
-measured in the same run.
+measured in the same run, for both CPU paths (torch._grouped_mm, and the experts packed for oneDNN, which a bf16
+model runs).
 
     .venv/bin/python perf/moe.py [--quick] [--rounds 6] [--with-vllm]
 
@@ -84,7 +85,9 @@ def run_vllm(path, prompts, max_tokens, rounds) -> dict:
 
 
 def layer_flops(peak: float) -> None:
-    from pagedllm.models.layers.moe import FusedMoE
+    """The fused MoE layer alone, both CPU paths: torch._grouped_mm and the experts packed for oneDNN (what a
+    bf16 model runs, models/layers/moe.py)."""
+    from pagedllm.models.layers.moe import FusedMoE, pack_experts
     from pagedllm.models.llama import ACTIVATIONS
 
     h, i, e, k = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_local_experts"], 2
@@ -92,20 +95,23 @@ def layer_flops(peak: float) -> None:
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.02)
-    for tokens in (64, 2048):
-        x = torch.randn(tokens, h, dtype=torch.bfloat16)
-        with torch.inference_mode():
-            for _ in range(3):
-                moe(x)
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 1.0:
-                moe(x)
-                n += 1
-        seconds = (time.perf_counter() - t0) / n
-        flops = 2 * tokens * k * (h * 2 * i + i * h)  # the experts' matmuls (the router is 2 * tokens * h * e)
-        emit({"metric": "fused_moe_layer", "tokens": tokens, "ms": round(seconds * 1e3, 3),
-              "achieved_gflops": round(flops / seconds / 1e9, 1), "fraction_of_matmul_peak": round(
-                  flops / seconds / peak, 3)})
+    for path in ("grouped_mm", "packed"):
+        if path == "packed":
+            pack_experts(torch.nn.Sequential(moe))
+        for tokens in (64, 2048):
+            x = torch.randn(tokens, h, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                for _ in range(3):
+                    moe(x)
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < 1.0:
+                    moe(x)
+                    n += 1
+            seconds = (time.perf_counter() - t0) / n
+            flops = 2 * tokens * k * (h * 2 * i + i * h)  # the experts' matmuls (the router is 2 * tokens * h * e)
+            emit({"metric": "fused_moe_layer", "path": path, "tokens": tokens, "ms": round(seconds * 1e3, 3),
+                  "achieved_gflops": round(flops / seconds / 1e9, 1), "fraction_of_matmul_peak": round(
+                      flops / seconds / peak, 3)})
 
 
 def main() -> None:

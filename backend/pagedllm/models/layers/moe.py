@@ -4,7 +4,7 @@ tokens sorted by expert, and the weighted results added back per token.
 - GPU: one grouped matmul per projection, our Triton segmented matmul (kernels/lora_sgmv.py: each expert's rows
   are one segment; tested under the interpreter). No Python loop over experts.
 - CPU, bf16: each expert's weights packed for oneDNN once loaded (`pack_experts`), and the experts run one
-  after another on their rows (a loop over experts, never over tokens): 1.25-1.4x the model's decode tokens/s
+  after another on their rows (a loop over experts, never over tokens): 1.2-1.4x the model's decode tokens/s
   of torch._grouped_mm, which read the weights at ~9 GB/s (perf/README).
 - CPU otherwise (fp32, the path held to transformers): torch._grouped_mm.
 
