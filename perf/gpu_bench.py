@@ -5,6 +5,7 @@ line per result."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -71,8 +72,9 @@ def decode_bench(peak: float) -> None:
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, arch="llama", size="1b", dtype="bfloat16")
     for eager in (False, True):
+        # the Triton backend in both: graphs need it, and auto might race torch in (graphs off then)
         llm = LLM(path, dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=8 << 30, max_num_seqs=64,
-                  enforce_eager=eager)
+                  enforce_eager=eager, attention_backend="triton")
         weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.model.parameters())
         stats = llm.get_stats()
         emit({"bench": "engine", "enforce_eager": eager, "attention_backend": stats.attention_backend,
@@ -96,6 +98,7 @@ def decode_bench(peak: float) -> None:
                   "output_tokens_per_s": round(tokens / elapsed, 1), "steps_per_s": round(steps_per_s, 1),
                   "fraction_of_weight_roofline": round(steps_per_s * weights / peak, 3)})
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -295,6 +295,11 @@ class EngineConfig:
             isinstance(self.cuda_graph_sizes, (list, tuple)) and self.cuda_graph_sizes
             and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in self.cuda_graph_sizes)),
             "cuda_graph_sizes", f"must be a non-empty list of batch sizes > 0, got {self.cuda_graph_sizes!r}")
+        _require(self.cuda_graph_sizes is None or not self.enforce_eager, "cuda_graph_sizes",
+                 "cannot be given with enforce_eager (which captures none)")
+        _require(self.cuda_graph_sizes is None or max(self.cuda_graph_sizes) <= self.scheduler.max_num_seqs,
+                 "cuda_graph_sizes", f"a size above max_num_seqs ({self.scheduler.max_num_seqs}) would never "
+                 f"replay, got {self.cuda_graph_sizes!r}")
         _require(self.structured_outputs_backend in STRUCTURED_OUTPUT_BACKENDS, "structured_outputs_backend",
                  f"must be one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.structured_outputs_backend!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,

@@ -38,7 +38,7 @@ def test_the_padded_decode_path_changes_no_real_row(llama_dir):
 
     llm = LLM(llama_dir, **ENGINE)
     runner = llm.engine.executor.worker.runner
-    graphs = DecodeGraphs(runner, (1, 2, 4, 8), max_blocks=256 // 16, capture=False)
+    graphs = DecodeGraphs(runner, (1, 2, 4, 8), max_model_len=256)  # never captured: the eager padded path
     eager_step, padded, worst = runner.execute_step, [], [0.0]
 
     def both(step):
@@ -65,7 +65,7 @@ def test_the_padded_decode_path_changes_no_real_row(llama_dir):
 def test_steps_that_are_not_pure_decodes_run_eagerly(llama_dir):
     llm = LLM(llama_dir, **ENGINE)
     runner = llm.engine.executor.worker.runner
-    graphs = DecodeGraphs(runner, (1, 2), max_blocks=16, capture=False)
+    graphs = DecodeGraphs(runner, (1, 2), max_model_len=256)
     seen = []
     eager_step = runner.execute_step
     runner.execute_step = lambda step: (seen.append((step.num_decodes, len(step.input_ids), graphs.bucket(step))),
@@ -88,16 +88,25 @@ def test_where_graphs_cannot_run_the_engine_says_why_and_refuses_sizes(llama_dir
         LLM(llama_dir, **ENGINE, cuda_graph_sizes=[1, 2])
     with pytest.raises(ValueError, match="cuda_graph_sizes: must be a non-empty list of batch sizes > 0"):
         LLM(llama_dir, **ENGINE, cuda_graph_sizes=[0])
+    with pytest.raises(ValueError, match="cuda_graph_sizes: cannot be given with enforce_eager"):
+        LLM(llama_dir, **ENGINE, cuda_graph_sizes=[1], enforce_eager=True)
+    with pytest.raises(ValueError, match=r"cuda_graph_sizes: a size above max_num_seqs \(8\) would never replay"):
+        LLM(llama_dir, **ENGINE, cuda_graph_sizes=[4, 16])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_on_a_gpu_decode_replays_graphs_with_the_eager_tokens(llama_dir):
-    gpu = {**ENGINE, "dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 28, "device": "cuda",
-           "attention_backend": "triton"}
+    """fp32, so that the bucket's larger matmuls cannot flip a near-tie of the random model's logits."""
+    gpu = {**ENGINE, "kv_cache_memory_bytes": 1 << 28, "device": "cuda", "attention_backend": "triton"}
     prompts = random_prompts([5, 17, 33, 9, 60, 24, 3])
     lengths = [12, 3, 20, 7, 16, 1, 9]
     eager = LLM(llama_dir, **gpu, enforce_eager=True)
     graphed = LLM(llama_dir, **gpu)
     assert graphed.get_stats().decode_graphs["sizes"] == [1, 2, 4, 8], graphed.get_stats().decode_graphs
+    graphs = graphed.engine.executor.worker.runner.graphs
+    replays = []
+    for b, graph in graphs.graphs.items():
+        graph.replay = (lambda inner, b: lambda: (replays.append(b), inner())[1])(graph.replay, b)
     assert _greedy(graphed, prompts, lengths) == _greedy(eager, prompts, lengths)
+    assert replays and set(replays) <= {1, 2, 4, 8}
     assert_all_blocks_free(graphed)

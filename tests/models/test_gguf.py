@@ -111,7 +111,7 @@ def test_metadata_is_converted_once_then_read_from_the_cache(tmp_path, tiny_llam
     gguf_metadata._converted_dir.cache_clear()
     path = write_gguf(str(tmp_path / "m.gguf"), tiny_llama)
     first_cfg, first_tok = load_config(path), load_tokenizer(path)
-    first_tensors = dict(gguf_tensors(path, first_cfg))  # read by the gguf reader itself
+    first_tensors = dict(gguf_tensors(path, first_cfg))  # through a directory the reader makes now
     (converted,) = (tmp_path / "cache" / "gguf").iterdir()
     assert (converted / "config.json").exists() and (converted / "tokenizer.json").exists()
     assert (converted / "tensors.json").exists()

@@ -106,8 +106,10 @@ class LLMEngine:
         """Size the KV cache from the budget, pick the attention backend, and set up every rank's runner."""
         cc, sc, info = self.config.cache, self.config.scheduler, self.model_info
         spec = self.config.speculative_config
-        budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype, sc.max_num_batched_tokens,
-                                 sc.max_num_seqs, self.config.tensor_parallel_size,
+        # decode CUDA graphs keep one step of up to max_num_seqs tokens in their pool for good: reserved too
+        graph_tokens = sc.max_num_seqs if info.device.startswith("cuda") and not self.config.enforce_eager else 0
+        budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype,
+                                 sc.max_num_batched_tokens + graph_tokens, sc.max_num_seqs, self.config.tensor_parallel_size,
                                  shared_with_draft=spec is not None and spec.method == "draft_model"
                                  and spec.kv_cache_memory_bytes is None)
         # from here on the config states the budget in bytes (the draft model's KV is sized from it)
@@ -135,10 +137,10 @@ class LLMEngine:
             self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
         with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens, {info.kv_dtype}"):
             self.executor.init_cache(num_blocks, self.backend)
-        self.decode_graphs = self._capture_decode_graphs(model, cc.block_size)
+        self.decode_graphs = self._capture_decode_graphs(model)
         return num_blocks
 
-    def _capture_decode_graphs(self, model, block_size: int) -> dict:
+    def _capture_decode_graphs(self, model) -> dict:
         """Decode CUDA graphs where they can run (else why not): {"sizes": captured buckets, "reason": ...}."""
         cfg = self.config
         why = "enforce_eager" if cfg.enforce_eager else graphs_unsupported(
@@ -150,7 +152,7 @@ class LLMEngine:
             return {"sizes": [], "reason": why}
         sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.cuda_graph_sizes)
         with self.startup.phase("decode CUDA graphs", f"{len(sizes)} buckets up to {max(sizes)}"):
-            captured = self.executor.capture_decode_graphs(sizes, -(-self.max_model_len // block_size))
+            captured = self.executor.capture_decode_graphs(sizes, self.max_model_len)
         return {"sizes": list(captured), "reason": "captured" if captured else "capture failed (see the log)"}
 
     # --- requests -----------------------------------------------------------------------

@@ -57,7 +57,7 @@ def converted_dir(path: str) -> str:
 
 @functools.lru_cache(maxsize=8)  # one stat-keyed lookup per process and file version
 def _converted_dir(path: str, size: int, mtime_ns: int) -> str:
-    versions = (transformers.__version__, importlib.metadata.version("gguf"), CONVERSION_VERSION)
+    versions = (transformers.__version__, _gguf_version(), CONVERSION_VERSION)
     key = hashlib.sha256(repr((path, size, mtime_ns, *versions)).encode())
     final = cache_root() / "gguf" / f"{Path(path).stem}-{key.hexdigest()[:16]}"
     if (final / "config.json").exists():
@@ -82,6 +82,17 @@ def _converted_dir(path: str, size: int, mtime_ns: int) -> str:
             shutil.rmtree(staging, ignore_errors=True)
     logger.info("GGUF metadata of %s converted in %.1f s into %s", path, time.monotonic() - start, final)
     return str(final)
+
+
+def _gguf_version() -> str:
+    """The gguf package's version (its reader's conventions make the tensor directory), also when it is
+    importable without being installed (llama.cpp's gguf-py on the path)."""
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        import gguf
+
+        return getattr(gguf, "__version__", "unknown")
 
 
 def tensor_directory_of(path: str) -> dict:

@@ -5,7 +5,8 @@ in the calling process, as rank 0; the executor decides where the other ranks li
     MultiprocExecutor   (multiproc.py) N ranks: rank 0 here, ranks 1..N-1 in worker processes (worker_main.py)
 
 Both offer: `model` (rank 0's shard), `init_cache(num_blocks, backend)`, `execute_step(step) -> logits`,
-`healthy` (False once a rank failed; `error` says why), `shutdown()`.
+`healthy` (False once a rank failed; `error` says why), `shutdown()`. LocalExecutor also offers
+`capture_decode_graphs(sizes, max_model_len)` (decode CUDA graphs are not captured under tensor parallelism).
 """
 
 from __future__ import annotations

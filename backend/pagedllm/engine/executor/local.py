@@ -19,8 +19,8 @@ class LocalExecutor:
     def init_cache(self, num_blocks: int, backend) -> None:
         self.worker.init_cache(num_blocks, backend)
 
-    def capture_decode_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> tuple[int, ...]:
-        return self.worker.capture_decode_graphs(sizes, max_blocks)
+    def capture_decode_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
+        return self.worker.capture_decode_graphs(sizes, max_model_len)
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         return self.worker.execute_step(step)

@@ -81,7 +81,7 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
                            load_lora_kernel() if spec.fused_cpu_ops else None) if spec.max_loras else None
     if not fallback:  # transformers' modules may read their linears' .weight
         pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
-        pack_experts(model)  # likewise
+        pack_experts(model)  # bf16 on CPU only (a tensor-parallel rank packs its rows of each expert)
     use_fused_ops(model, load_fused_ops() if spec.fused_cpu_ops else None)
     return model
 
@@ -96,9 +96,9 @@ class Worker:
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
 
-    def capture_decode_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> tuple[int, ...]:
+    def capture_decode_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
         """Capture and check a CUDA graph per decode bucket; the sizes captured (none if the capture failed)."""
-        graphs = DecodeGraphs(self.runner, sizes, max_blocks)
+        graphs = DecodeGraphs(self.runner, sizes, max_model_len)
         graphs.capture_all()
         if graphs.graphs:
             self.runner.graphs = graphs

@@ -74,11 +74,11 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # by expert, tokens in order within each
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens += counts
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
         tokens = order // self.top_k
         if self.packed is not None:
             out = self._experts_packed(x[tokens], counts)
         else:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = self._grouped(x[tokens], self.w_gate_up, counts, offsets)
             gate, up = h.split(self.inter, dim=-1)
             out = self._grouped(self.act(gate) * up, self.w_down, counts, offsets)
@@ -131,8 +131,8 @@ def pack_experts(model: nn.Module) -> int:
     loaded; returns how many layers were packed."""
     from pagedllm.models.layers.packed_linear import packing_available
 
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.w_down.dtype == torch.bfloat16
-              and m.w_down.device.type == "cpu"]
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.packed is None
+              and m.w_down.dtype == torch.bfloat16 and m.w_down.device.type == "cpu"]
     if not packing_available():
         return 0
     for layer in layers:
