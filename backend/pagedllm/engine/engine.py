@@ -109,8 +109,8 @@ class LLMEngine:
         # decode CUDA graphs keep one step of up to max_num_seqs tokens in their pool for good: reserved too
         graph_tokens = sc.max_num_seqs if info.device.startswith("cuda") and not self.config.enforce_eager else 0
         budget = kv_budget_bytes(cc, info.device, info.hf_config, info.dtype,
-                                 sc.max_num_batched_tokens + graph_tokens, sc.max_num_seqs, self.config.tensor_parallel_size,
-                                 shared_with_draft=spec is not None and spec.method == "draft_model"
+                                 sc.max_num_batched_tokens + graph_tokens, sc.max_num_seqs,
+                                 self.config.tensor_parallel_size, shared_with_draft=spec is not None and spec.method == "draft_model"
                                  and spec.kv_cache_memory_bytes is None)
         # from here on the config states the budget in bytes (the draft model's KV is sized from it)
         cc = dataclasses.replace(cc, kv_cache_memory_bytes=budget, gpu_memory_utilization=None)
@@ -145,7 +145,7 @@ class LLMEngine:
         cfg = self.config
         why = "enforce_eager" if cfg.enforce_eager else graphs_unsupported(
             model, self.backend, self.model_info.device, cfg.tensor_parallel_size)
-        if why is not None and cfg.cuda_graph_sizes is not None and not cfg.enforce_eager:
+        if why is not None and cfg.cuda_graph_sizes is not None:  # (EngineConfig refuses them with enforce_eager)
             raise ValueError(f"cuda_graph_sizes: decode CUDA graphs cannot run here: {why}")
         if why is not None:
             logger.info("decode CUDA graphs: off (%s)", why)

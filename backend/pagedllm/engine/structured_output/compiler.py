@@ -25,6 +25,7 @@ from collections import OrderedDict
 
 from pagedllm.config import STRUCTURED_OUTPUT_BACKENDS
 from pagedllm.engine.structured_output.guidance_backend import GuidanceBackend
+from pagedllm.engine.structured_output.request_grammar import CompiledGrammar
 from pagedllm.engine.structured_output.xgrammar_backend import XGrammarBackend
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -45,7 +46,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # front ends may process requests on several threads
         self._make_lock = threading.Lock()  # held while a backend reads the vocabulary, not for cache hits
 
-    def compile(self, spec: StructuredOutputsParams):
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar for `spec` (its `new_matcher()` starts a request); ValueError naming the problem
         if it is invalid."""
         backend = spec.backend or self.default
@@ -64,7 +65,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _compile(self, backend: str, spec: StructuredOutputsParams):
+    def _compile(self, backend: str, spec: StructuredOutputsParams) -> CompiledGrammar:
         kind = spec.kind
         value = getattr(spec, kind)
         if kind == "json_object":

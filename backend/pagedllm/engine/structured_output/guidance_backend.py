@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import re
 
+from pagedllm.engine.structured_output.request_grammar import CompiledGrammar
+
 NAME = "guidance"
 # The formats llguidance checks (others are dropped as annotations; llguidance would refuse them)
 CHECKED_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
@@ -40,7 +42,7 @@ class GuidanceBackend:
             raise ValueError(f"llguidance cannot use this tokenizer ({type(e).__name__}: {e})") from None
         self.vocab_size = vocab_size
 
-    def compile(self, kind: str, value) -> GuidanceGrammar:
+    def compile(self, kind: str, value) -> CompiledGrammar:
         """ValueError with llguidance's reason for an invalid spec."""
         from llguidance import LLMatcher, grammar_from, regex_to_lark
 
@@ -55,17 +57,8 @@ class GuidanceBackend:
         template = LLMatcher(self._tokenizer, grammar, log_level=0)  # builds the grammar; errors are its state
         if template.is_error():
             raise ValueError(_reason(template.get_error()))
-        return GuidanceGrammar(template, self.vocab_size)
-
-
-class GuidanceGrammar:
-    backend = NAME
-
-    def __init__(self, template, vocab_size: int) -> None:
-        self.template, self.vocab_size = template, vocab_size
-
-    def new_matcher(self) -> GuidanceMatcher:
-        return GuidanceMatcher(self.template.deep_copy())  # ~2 µs: the grammar is built once, in the template
+        # a request's matcher is a copy of the template (~2 µs: the grammar is built once, in the template)
+        return CompiledGrammar(NAME, self.vocab_size, lambda: GuidanceMatcher(template.deep_copy()))
 
 
 class GuidanceMatcher:

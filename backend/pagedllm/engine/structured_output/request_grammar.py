@@ -10,12 +10,23 @@ matcher stays valid through a recompute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A spec compiled by one backend (guidance_backend.py, xgrammar_backend.py), as GrammarCompiler caches it."""
+
+    backend: str  # "guidance" | "xgrammar"
+    vocab_size: int  # the model's vocabulary: the bitmask's width in tokens
+    new_matcher: Callable[[], object]  # a fresh matcher: accept(token_id) -> bool, fill(bitmask, row)
+
+
 class RequestGrammar:
-    def __init__(self, compiled) -> None:
-        """`compiled`: GrammarCompiler.compile's grammar (either backend)."""
+    def __init__(self, compiled: CompiledGrammar) -> None:
         self.matcher = compiled.new_matcher()
         self.vocab_size = compiled.vocab_size
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from pagedllm.engine.structured_output.request_grammar import CompiledGrammar
+
 NAME = "xgrammar"
 
 
@@ -23,7 +25,7 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
 
-    def compile(self, kind: str, value) -> XGrammarGrammar:
+    def compile(self, kind: str, value) -> CompiledGrammar:
         """ValueError with xgrammar's reason for an invalid spec."""
         try:
             if kind == "json":
@@ -36,17 +38,7 @@ class XGrammarBackend:
                 compiled = self._compiler.compile_grammar(value)
         except (RuntimeError, ValueError) as e:
             raise ValueError(_reason(e)) from None
-        return XGrammarGrammar(compiled, self.vocab_size)
-
-
-class XGrammarGrammar:
-    backend = NAME
-
-    def __init__(self, compiled, vocab_size: int) -> None:
-        self.compiled, self.vocab_size = compiled, vocab_size
-
-    def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.compiled)
+        return CompiledGrammar(NAME, self.vocab_size, lambda: XGrammarMatcher(compiled))
 
 
 class XGrammarMatcher:
