@@ -2,7 +2,7 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention, one query token per row (AVX-512, fp32 math)");
+  m.def("paged_attention", &paged_attention, "paged attention over each row's context, its last tokens causal (AVX-512, fp32 math)");
   m.def("store_kv", &store_kv, "write K/V into their cache slots in the kernels' block layout");
   m.def("rms_norm", &rms_norm, "RMSNorm, fp32 statistics");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");

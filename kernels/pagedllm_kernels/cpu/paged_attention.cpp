@@ -1,7 +1,8 @@
-// Paged attention for CPUs with AVX-512 (and AVX512-BF16): one query token per row (a decode token, or a prefill
-// token attending to its own prefix), K/V read in place through the block table in the layout of kv_layout.h,
-// online softmax block by block, fp32 accumulation. An fp8 (e4m3) cache is read as bf16 pairs with a bf16 query.
-// Each KV head's query heads (GQA) are served from one pass over that KV head's contiguous run in each block.
+// Paged attention for CPUs with AVX-512 (and AVX512-BF16) over a mixed batch: each row's last tokens (a decode's
+// one, a whole prompt, a chunk after cached positions) attend causally to the row's context, K/V read in place
+// through the block table in the layout of kv_layout.h, online softmax block by block, fp32 accumulation. An fp8
+// (e4m3) cache is read as bf16 pairs with a bf16 query. The query vectors of one work item (a KV head's query
+// heads (GQA), for a tile of a prompt's tokens) are served from one pass over that KV head's run in each block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -13,14 +14,17 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
 using pagedllm::kUnit;
 
-constexpr int kMaxGroup = 16;  // query heads per KV head
-constexpr int kMaxHeads = 128; // query heads per row
-constexpr int kMaxBlock = 64;  // tokens per block
+constexpr int kMaxGroup = 16;   // query heads per KV head
+constexpr int kMaxHeads = 128;  // query heads per row
+constexpr int kMaxBlock = 64;   // tokens per block
+constexpr int kTileSlots = 48;  // query vectors per item of a prompt's tile (tokens x query heads of a KV head)
+constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's heads, or a tile (<= kTileSlots, or a group)
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
 // bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
@@ -121,133 +125,167 @@ inline void weighted_values_for(int ng, const C* vb, T* const* probs, float* con
 // Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
 inline __mmask16 live_lanes(int64_t c, int64_t a, int64_t b) {
   const int64_t lo = std::max<int64_t>(a - c, 0), hi = std::min<int64_t>(b - c, 16);
+  if (hi <= lo) return 0;  // (a tile's slot may have no live position in a block: b < a)
   return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
 }
 
+// One work item: tokens t0..t1-1 of a row (its last tokens: token t sees the row's first
+// len - (n - 1 - t) positions, n the row's token count) and the KV heads k0..k1-1 (contiguous in every block),
+// with every query head reading those KV heads. Its query vectors ("slots") share each block's K/V run while
+// it is in L1: a prompt's tokens are attended a tile at a time, not each over its whole prefix again.
+struct Item {
+  int64_t row, t0, t1, k0, k1;
+};
+
 template <typename T, typename C, int CH>
 void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* block_tables,
-                  const int64_t* seq_lens, T* out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t block_size, int64_t table_stride, float scale, int64_t window, float k_scale,
-                  float v_scale) {
+                  const int64_t* seq_lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_stride, float scale,
+                  int64_t window, float k_scale, float v_scale) {
   constexpr int64_t D = 16 * CH;
   constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
-  constexpr int SB = 4;                 // query heads per scores pass
-  constexpr int VB = CH <= 4 ? 4 : 2;   // query heads per values pass: VB * CH accumulators in registers
+  constexpr int SB = 8;                 // slots per scores pass
+  constexpr int VB = CH <= 4 ? 4 : 2;   // slots per values pass: VB * CH accumulators in registers
   const int64_t group = num_heads / num_kv_heads, run = block_size * D;
   // The cache's values are its elements times these (1 for a cache of the query's dtype).
   const float score_scale = scale * k_scale;
-  // One work item: a row's KV heads k0..k1-1 (contiguous in every block) and the query heads reading them.
-  auto attend = [&](int64_t row, int64_t k0, int64_t k1) {
-    const int64_t served = (k1 - k0) * group;
-    alignas(64) float acc[kMaxHeads][D];  // unnormalised outputs
-    alignas(64) float scores[kMaxGroup][kMaxBlock];
-    alignas(64) T probs[kMaxGroup][kMaxBlock];  // exp(score - running max), in the cache's dtype
-    float running_max[kMaxHeads];
-    alignas(64) float denom[kMaxHeads][16];  // partial sums of the softmax denominator
-    const T* qh[kMaxHeads];
-    float* acc_h[kMaxHeads];
-    T* probs_h[kMaxGroup];
-    for (int64_t h = 0; h < served; ++h) {
-      qh[h] = q + row * q_stride + (k0 * group + h) * D;
-      acc_h[h] = acc[h];
-      for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[h] + 16 * c, _mm512_setzero_ps());
-      running_max[h] = -std::numeric_limits<float>::infinity();
-      _mm512_store_ps(denom[h], _mm512_setzero_ps());
+  auto attend = [&](const Item& it) {
+    // Slot s = kv * per_kv + token * group + g: query head (k0 + kv) * group + g of token t0 + token.
+    const int64_t per_kv = (it.t1 - it.t0) * group, served = (it.k1 - it.k0) * per_kv;
+    const int64_t n = query_start[it.row + 1] - query_start[it.row], len_row = seq_lens[it.row];
+    alignas(64) float acc[kMaxSlots][D];  // unnormalised outputs
+    alignas(64) float scores[kMaxSlots][kMaxBlock];
+    alignas(64) T probs[kMaxSlots][kMaxBlock];  // exp(score - running max), in the cache's dtype
+    float running_max[kMaxSlots];
+    alignas(64) float denom[kMaxSlots][16];  // partial sums of the softmax denominator
+    int64_t first[kMaxSlots], len[kMaxSlots];  // each slot's live positions [first, len) (one KV head's slots)
+    const T* qh[kMaxSlots];
+    float* acc_h[kMaxSlots];
+    T* probs_h[kMaxSlots];
+    for (int64_t s = 0; s < served; ++s) {
+      const int64_t kv = s / per_kv, tok = it.t0 + (s % per_kv) / group, g = s % group;
+      qh[s] = q + (query_start[it.row] + tok) * q_stride + ((it.k0 + kv) * group + g) * D;
+      acc_h[s] = acc[s];
+      for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[s] + 16 * c, _mm512_setzero_ps());
+      running_max[s] = -std::numeric_limits<float>::infinity();
+      _mm512_store_ps(denom[s], _mm512_setzero_ps());
     }
-    for (int64_t g = 0; g < group; ++g) probs_h[g] = probs[g];
-    const int64_t len = seq_lens[row];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t* table = block_tables + row * table_stride;
-    for (int64_t start = first - first % block_size; start < len; start += block_size) {
+    for (int64_t j = 0; j < per_kv; ++j) {
+      probs_h[j] = probs[j];
+      len[j] = len_row - (n - 1 - (it.t0 + j / group));
+      first[j] = window > 0 ? std::max<int64_t>(0, len[j] - window) : 0;
+    }
+    const int64_t lo = first[0], hi = len[per_kv - 1];  // the union of the slots' ranges
+    const int64_t* table = block_tables + it.row * table_stride;
+    for (int64_t start = lo - lo % block_size; start < hi; start += block_size) {
       const int64_t idx = start / block_size;
-      const int64_t base = (table[idx] * num_kv_heads + k0) * run;
-      if (start + block_size < len) {  // blocks are scattered: request the next one while this one computes
-        const int64_t next = (table[idx + 1] * num_kv_heads + k0) * run;
+      const int64_t base = (table[idx] * num_kv_heads + it.k0) * run;
+      if (start + block_size < hi) {  // blocks are scattered: request the next one while this one computes
+        const int64_t next = (table[idx + 1] * num_kv_heads + it.k0) * run;
         const char* kn = reinterpret_cast<const char*>(k_cache + next);
         const char* vn = reinterpret_cast<const char*>(v_cache + next);
-        for (int64_t off = 0; off < (k1 - k0) * run * static_cast<int64_t>(sizeof(C)); off += 64) {
+        for (int64_t off = 0; off < (it.k1 - it.k0) * run * static_cast<int64_t>(sizeof(C)); off += 64) {
           _mm_prefetch(kn + off, _MM_HINT_T0);
           _mm_prefetch(vn + off, _MM_HINT_T0);
         }
       }
-      const int64_t a = std::max(start, first) - start, b = std::min(start + block_size, len) - start;
+      const int64_t a = std::max(start, lo) - start, b = std::min(start + block_size, hi) - start;
       const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
-      // bf16: an edge unit (a token pair) may hold a token outside [a, b): keep only the live one's elements.
+      // bf16: an edge unit (a token pair) may hold a position outside [a, b), which may not be written yet:
+      // keep only the live one's elements. Inside [a, b) every position is written; a slot's dead ones there
+      // get probability 0.
       const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
-      for (int64_t kvh = k0; kvh < k1; ++kvh) {
-        const C* kb = k_cache + base + (kvh - k0) * run;
-        const C* vb = v_cache + base + (kvh - k0) * run;
-        const int64_t hq = (kvh - k0) * group;  // this KV head's first query head among those served
-        for (int64_t h0 = 0; h0 < group; h0 += SB) {
-          const int ng = static_cast<int>(std::min<int64_t>(SB, group - h0));
+      for (int64_t kvh = it.k0; kvh < it.k1; ++kvh) {
+        const C* kb = k_cache + base + (kvh - it.k0) * run;
+        const C* vb = v_cache + base + (kvh - it.k0) * run;
+        const int64_t s0 = (kvh - it.k0) * per_kv;  // this KV head's first slot
+        for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
+          const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
           for (int64_t c = c0; c < b; c += 16) {
-            __m512 s[SB];
-            scores16_for<T, C, U, SB>(ng, qh + hq + h0, kb, block_size, c, s);
+            __m512 sc[SB];
+            scores16_for<T, C, U, SB>(ng, qh + s0 + j0, kb, block_size, c, sc);
             for (int g = 0; g < ng; ++g)
-              _mm512_store_ps(scores[h0 + g] + c, _mm512_mul_ps(s[g], _mm512_set1_ps(score_scale)));
+              _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[g], _mm512_set1_ps(score_scale)));
           }
         }
-        for (int64_t g = 0; g < group; ++g) {  // online softmax: the block's max, rescale, probabilities
-          const int64_t h = hq + g;
+        for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the block's max, rescale, probabilities
+          const int64_t s = s0 + j;
+          const int64_t aj = std::max(a, first[j] - start), bj = std::min(b, len[j] - start);
           // Horizontal reductions are the costly part: the block's lane-wise max is reduced only when some
           // lane exceeds the running max, and the denominator is kept as 16 partial sums until the end.
           __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int64_t c = c0; c < b; c += 16)
-            lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, a, b), lane_max, _mm512_load_ps(scores[g] + c));
-          if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[h]), _CMP_GT_OQ)) {
+            lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, aj, bj), lane_max, _mm512_load_ps(scores[j] + c));
+          if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[s]), _CMP_GT_OQ)) {
             const float block_max = _mm512_reduce_max_ps(lane_max);
-            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[h] - block_max));
-            _mm512_store_ps(denom[h], _mm512_mul_ps(_mm512_load_ps(denom[h]), rescale));
+            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[s] - block_max));
+            _mm512_store_ps(denom[s], _mm512_mul_ps(_mm512_load_ps(denom[s]), rescale));
             for (int c = 0; c < CH; ++c)
-              _mm512_store_ps(acc[h] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), rescale));
-            running_max[h] = block_max;
+              _mm512_store_ps(acc[s] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[s] + 16 * c), rescale));
+            running_max[s] = block_max;
           }
-          const __m512 m = _mm512_set1_ps(running_max[h]);
-          __m512 sum = _mm512_load_ps(denom[h]);
+          const __m512 m = _mm512_set1_ps(running_max[s]);
+          __m512 sum = _mm512_load_ps(denom[s]);
           for (int64_t c = c0; c < b; c += 16) {
             // Rounded to the cache's dtype first, so the denominator sums exactly the weights the values get.
-            const __m512 p = pagedllm::round_to(probs[g], _mm512_maskz_mov_ps(
-                live_lanes(c, a, b), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[g] + c), m))));
+            // A lane outside [aj, bj) is 0, whatever its score (a slot with no live lane keeps a -inf max).
+            const __m512 p = pagedllm::round_to(probs[j], _mm512_maskz_mov_ps(
+                live_lanes(c, aj, bj), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[j] + c), m))));
             sum = _mm512_add_ps(sum, p);
-            pagedllm::store16(probs[g] + c, p);
+            pagedllm::store16(probs[j] + c, p);
           }
-          _mm512_store_ps(denom[h], sum);
+          _mm512_store_ps(denom[s], sum);
         }
-        for (int64_t h0 = 0; h0 < group; h0 += VB)
-          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, group - h0)), vb, probs_h + h0,
-                                         acc_h + hq + h0, u0, u1, keep_first, keep_last);
+        for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
+          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vb, probs_h + j0,
+                                         acc_h + s0 + j0, u0, u1, keep_first, keep_last);
       }
     }
-    for (int64_t h = 0; h < served; ++h) {
-      T* o = out + (row * num_heads + k0 * group + h) * D;
-      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[h]));
+    for (int64_t s = 0; s < served; ++s) {
+      const int64_t kv = s / per_kv, tok = it.t0 + (s % per_kv) / group, g = s % group;
+      T* o = out + ((query_start[it.row] + tok) * num_heads + (it.k0 + kv) * group + g) * D;
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[s]));
       const __m512 inv = _mm512_set1_ps(sum > 0.0f ? v_scale / sum : 0.0f);
-      for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * c), inv));
+      for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[s] + 16 * c), inv));
     }
   };
-  // Enough rows: one item per row, so each block is read as one contiguous run and prefetched whole. Few rows
-  // (small batches, one long prefill row): one item per (row, KV head), so every thread has work.
+  // Items differ in length by up to the context length: hand them out one at a time, not in equal ranges.
   const int threads = at::get_num_threads();
-  const int64_t heads_per_item = num_rows >= 4 * threads ? num_kv_heads : 1;
-  const int64_t splits = num_kv_heads / heads_per_item;
-  // Rows differ in length by up to the context length (decode rows come sorted by it, and a prefill row's
-  // tokens grow along it): hand the items out one at a time, not in equal contiguous ranges.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t item = 0; item < num_rows * splits; ++item) {
-    const int64_t k0 = (item % splits) * heads_per_item;
-    attend(item / splits, k0, k0 + heads_per_item);
+  for (size_t i = 0; i < items.size(); ++i) attend(items[i]);
+}
+
+// The work items of a batch. A one-token row (a decode) is one item with all its KV heads, so each block is read
+// as one contiguous run and prefetched whole; with few rows, one item per (row, KV head), so every thread has
+// work. A row of several tokens is cut into tiles of kTileSlots / group tokens, one KV head each.
+std::vector<Item> plan_items(const int64_t* query_start, int64_t rows, int64_t heads, int64_t kv_heads) {
+  const int64_t group = heads / kv_heads, tile = std::max<int64_t>(1, kTileSlots / group);
+  int64_t single = 0;
+  for (int64_t r = 0; r < rows; ++r) single += query_start[r + 1] - query_start[r] == 1;
+  const int64_t heads_per_item = single >= 4 * at::get_num_threads() ? kv_heads : 1;
+  std::vector<Item> items;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = query_start[r + 1] - query_start[r];
+    if (n == 1) {
+      for (int64_t k0 = 0; k0 < kv_heads; k0 += heads_per_item) items.push_back({r, 0, 1, k0, k0 + heads_per_item});
+      continue;
+    }
+    // Last tiles first: they attend the longest context, and a thread that takes one last idles the longest.
+    for (int64_t t1 = n; t1 > 0; t1 -= tile)
+      for (int64_t k = 0; k < kv_heads; ++k) items.push_back({r, std::max<int64_t>(0, t1 - tile), t1, k, k + 1});
   }
+  return items;
 }
 
 template <typename T, typename C>
 void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* tables,
-                       const int64_t* lens, T* out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t table_stride, float scale, int64_t window, float k_scale,
-                       float v_scale) {
+                       const int64_t* lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,
+                       float scale, int64_t window, float k_scale, float v_scale) {
 #define PAGEDLLM_CASE(CH)                                                                                    \
   case 16 * CH:                                                                                              \
-    return attend_items<T, C, CH>(q, q_stride, k, v, tables, lens, out, rows, heads, kv_heads, block_size,    \
-                                  table_stride, scale, window, k_scale, v_scale);
+    return attend_items<T, C, CH>(q, q_stride, k, v, tables, lens, query_start, items, out, heads, kv_heads, \
+                                  block_size, table_stride, scale, window, k_scale, v_scale);
   switch (head_dim) {
     PAGEDLLM_CASE(2)
     PAGEDLLM_CASE(4)
@@ -261,14 +299,16 @@ void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, con
 
 }  // namespace
 
-// q [rows, H, D] (rows may be strided); k_cache, v_cache [blocks, block_size, KVH, D] contiguous, in the
-// layout of kv_layout.h, of q's dtype or (with a bf16 q) float8_e4m3fn; block_tables [rows, max_blocks] int64;
-// seq_lens [rows] int64 (context length including the query token); window <= 0: none. Returns [rows, H, D] in
-// q's dtype.
+// q [tokens, H, D] (tokens may be strided); row r's tokens are q[query_start[r]:query_start[r + 1]], the last
+// ones of its sequence: the row's token i of n sees its first seq_lens[r] - (n - 1 - i) positions. k_cache,
+// v_cache [blocks, block_size, KVH, D] contiguous, in the layout of kv_layout.h, of q's dtype or (with a bf16
+// q) float8_e4m3fn; block_tables [rows, max_blocks] int64; seq_lens [rows] int64; query_start [rows + 1] int64;
+// window <= 0: none. Returns [tokens, H, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor seq_lens, double scale, int64_t window, double k_scale, double v_scale) {
+                              torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
+                              double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be [rows, heads, head_dim] with contiguous heads");
+              "q must be [tokens, heads, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, head_dim]");
@@ -277,35 +317,47 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                   (q.scalar_type() == k_cache.scalar_type() || (fp8 && q.scalar_type() == at::kBFloat16)),
               "the caches must be q's dtype, or float8_e4m3fn with a bfloat16 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  seq_lens.is_contiguous() && block_tables.stride(1) == 1,
-              "block_tables and seq_lens must be int64 (block_tables row-major)");
-  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+                  query_start.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  query_start.is_contiguous() && block_tables.stride(1) == 1,
+              "block_tables, seq_lens and query_start must be int64 (block_tables row-major)");
+  const int64_t rows = seq_lens.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim, "q and the cache disagree on head_dim");
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && heads <= kMaxHeads,
               "heads must be a multiple of kv_heads, at most 16 per KV head and 128 in all");
   TORCH_CHECK(block_size % 16 == 0 && block_size <= kMaxBlock, "block_size must be 16, 32, 48 or 64");
-  TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
+  TORCH_CHECK(block_tables.size(0) == rows && query_start.size(0) == rows + 1,
+              "one block table and length per row, and rows + 1 query starts");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "scales must be positive");
-  auto out = torch::empty({rows, heads, head_dim}, q.options());
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[rows] == q.size(0), "query_start must run from 0 to the token count");
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = starts[r + 1] - starts[r];
+    TORCH_CHECK(n >= 1 && n <= lens[r], "row ", r, ": ", n, " query tokens for a context of ", lens[r]);
+    TORCH_CHECK(-(-lens[r] / block_size) <= block_tables.size(1), "row ", r, ": its context needs more blocks than "
+                "its table has");
+  }
+  auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
+  const std::vector<Item> items = plan_items(starts, rows, heads, kv_heads);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
   const float s = static_cast<float>(scale), ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  const int64_t ts = block_tables.stride(0);
   if (q.scalar_type() == at::kFloat) {
     dispatch_head_dim<float, float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
-                                    v_cache.data_ptr<float>(), tables, lens, out.data_ptr<float>(), rows, heads,
-                                    kv_heads, head_dim, block_size, block_tables.stride(0), s, window, 1.0f, 1.0f);
+                                    v_cache.data_ptr<float>(), tables, lens, starts, items, out.data_ptr<float>(),
+                                    heads, kv_heads, head_dim, block_size, ts, s, window, 1.0f, 1.0f);
   } else if (fp8) {
     dispatch_head_dim<at::BFloat16, c10::Float8_e4m3fn>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::Float8_e4m3fn>(),
-        v_cache.data_ptr<c10::Float8_e4m3fn>(), tables, lens, out.data_ptr<at::BFloat16>(), rows, heads, kv_heads,
-        head_dim, block_size, block_tables.stride(0), s, window, ks, vs);
+        v_cache.data_ptr<c10::Float8_e4m3fn>(), tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads,
+        kv_heads, head_dim, block_size, ts, s, window, ks, vs);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
     dispatch_head_dim<at::BFloat16, at::BFloat16>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-        tables, lens, out.data_ptr<at::BFloat16>(), rows, heads, kv_heads, head_dim, block_size,
-        block_tables.stride(0), s, window, 1.0f, 1.0f);
+        tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads, kv_heads, head_dim, block_size, ts, s,
+        window, 1.0f, 1.0f);
   }
   return out;
 }

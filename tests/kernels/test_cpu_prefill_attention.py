@@ -1,0 +1,119 @@
+"""The AVX-512 paged attention kernel on rows of several query tokens (whole prompts, chunks after cached
+positions) mixed with decode rows, against the token-by-token torch reference: lengths on and around block and
+tile boundaries, GQA ratios (tiles of 3 to 48 tokens), block sizes, fp32, bf16 and an fp8 cache, sliding
+windows, positions nobody owns poisoned."""
+
+import pytest
+import torch
+from pagedllm_kernels.cpu import kv_layout
+from pagedllm_kernels.cpu import paged_attention as kernel
+
+supported, why = kernel.cpu_supported()
+pytestmark = pytest.mark.skipif(not supported, reason=why)
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=0), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+# (context length, query tokens) per row: decodes, whole prompts (n == len) and chunks after cached positions;
+# lengths around 16 (the block size) and 48 / 16 (a tile at 1 and 3 query heads per KV head).
+ROWS = [(40, 1), (1, 1), (17, 17), (48, 48), (49, 49), (16, 16), (2, 2), (100, 33), (161, 97), (65, 16), (33, 2)]
+
+
+def make(heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, seed=0, cache_dtype=None):
+    """q for every row's tokens, caches (plain layout) holding each row's context, tables, lens, starts."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n, _ in rows]
+    num_blocks = sum(per_row) + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    kc, vc = (torch.randn(*shape, generator=g).to(cache_dtype or dtype) for _ in range(2))
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # shuffled, never the null block 0
+    tables = torch.zeros(len(rows), max(per_row) + 1, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(per_row):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    counts = torch.tensor([t for _, t in rows])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    q = torch.randn(int(starts[-1]), heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor([n for n, _ in rows]), starts
+
+
+def attend(q, kc, vc, tables, lens, starts, scale, window=None, k_scale=1.0, v_scale=1.0):
+    return kernel.paged_attention(q, *kv_layout.to_kernel_layout(kc, vc), tables, lens, scale, window, k_scale,
+                                  v_scale, query_start_loc=starts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (12, 4, 64), (14, 2, 64), (8, 1, 128),
+                                                     (6, 2, 96), (16, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_prompts_chunks_and_decodes_match_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    q, kc, vc, tables, lens, starts = make(heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    got = attend(q, kc, vc, tables, lens, starts, scale)
+    ref = kernel.reference(q, kc, vc, tables, lens, scale, query_start_loc=starts)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_same_queries_one_token_per_row_give_the_same_outputs(dtype):
+    """Tiles (one pass over a block for many tokens) and one row per token compute the same attention."""
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, dtype)
+    tok_tables, tok_lens = kernel.per_token_rows(tables, lens, starts)
+    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125).float(),
+                               attend(q, kc, vc, tok_tables, tok_lens, None, 0.125).float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window(window, dtype):
+    """Each token of a tile has its own window start; odd windows start mid token-pair in bf16."""
+    q, kc, vc, tables, lens, starts = make(8, 2, 64, 16, dtype)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, window)
+    ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, query_start_loc=starts)
+    torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_an_fp8_cache_with_scales(window):
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, window, 0.5, 2.0)
+    ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, 0.5, 2.0, query_start_loc=starts)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_only_each_rows_context_is_read(dtype):
+    """NaN in every block no row owns and past each row's length in its last block changes no output."""
+    q, kc, vc, tables, lens, starts = make(4, 2, 64, 16, dtype)
+    before = attend(q, kc, vc, tables, lens, starts, 0.125)
+    owned = {int(b) for i, n in enumerate(lens) for b in tables[i, :-(-int(n) // 16)]}
+    for b in range(kc.shape[0]):
+        if b not in owned:
+            kc[b], vc[b] = float("nan"), float("nan")
+    for i, n in enumerate(lens.tolist()):
+        last, used = int(tables[i, (n - 1) // 16]), (n - 1) % 16 + 1
+        kc[last, used:], vc[last, used:] = float("nan"), float("nan")
+    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125), before)
+
+
+def test_one_long_prompt_is_shared_out_in_tiles():
+    """A single 1,000-token prompt (many tiles, few rows) against the reference."""
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, rows=[(1000, 1000)])
+    got = attend(q, kc, vc, tables, lens, starts, 0.125)
+    ref = kernel.reference(q, kc, vc, tables, lens, 0.125, query_start_loc=starts)
+    torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[torch.bfloat16])
+
+
+def test_the_kernel_refuses_inconsistent_rows():
+    q, kc, vc, tables, lens, starts = make(4, 2, 64, 16, torch.float32)
+    kc, vc = kv_layout.to_kernel_layout(kc, vc)
+    with pytest.raises(ValueError, match="query start"):
+        kernel.paged_attention(q, kc, vc, tables, lens, 0.125, query_start_loc=starts[:-1])
+    with pytest.raises(RuntimeError, match="from 0 to the token count"):
+        kernel.paged_attention(q[:-1], kc, vc, tables, lens, 0.125, query_start_loc=starts)
+    short = lens.clone()
+    short[2] = 3  # a row of 17 query tokens cannot have a context of 3
+    with pytest.raises(RuntimeError, match="query tokens for a context of 3"):
+        kernel.paged_attention(q, kc, vc, tables, short, 0.125, query_start_loc=starts)
+    with pytest.raises(RuntimeError, match="more blocks"):
+        kernel.paged_attention(q, kc, vc, tables[:, :2], lens, 0.125, query_start_loc=starts)
