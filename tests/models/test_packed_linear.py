@@ -1,5 +1,6 @@
 """bf16 linears packed for oneDNN: bit-identical to F.linear at every row count, with the rows oneDNN sees
-rounded up to a few dozen sizes (its per-shape primitive caches then stay small)."""
+rounded up to a few dozen sizes (its per-shape primitive caches then stay small); with our small-batch kernel,
+its rows within bf16 rounding of F.linear and oneDNN's still bit-identical."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.packed_linear import PackedLinear, bucket_rows, packing_available
+from pagedllm.models.layers.packed_linear import PackedLinear, _tiles_kernel, bucket_rows, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN packing is not available here")
 
@@ -30,3 +31,22 @@ def test_padded_rows_change_no_result(bias):
             got = packed(x)
             assert got.shape == (2, rows, 320)
             assert torch.equal(got, F.linear(x, linear.weight, linear.bias)), rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_go_to_our_kernel(bias):
+    kernel = _tiles_kernel()
+    if kernel is None:
+        pytest.skip("no AVX512-BF16 kernel on this host")
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 320, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear, kernel)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, 192, dtype=torch.bfloat16)
+            got, want = packed(x), F.linear(x, linear.weight, linear.bias)
+            if rows <= kernel.MAX_ROWS:
+                assert torch.equal(got, kernel.linear(x, packed.weight_tiles, packed.bias_f32))
+                torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=1e-2)
+            else:
+                assert torch.equal(got, want), rows

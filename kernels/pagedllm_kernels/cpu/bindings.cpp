@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
   m.def("int4_dequantize", &int4_dequantize, "the bf16 [N, K] weight of an int4_layout.py weight");
   m.def("fp8_linear", &fp8_linear, "bf16 x @ W^T * s + b, W e4m3 (fp8_linear.py) widened in the matmul");
+  m.def("bf16_linear", &bf16_linear, "bf16 x @ W^T + b, W in bf16_tiles.py's tiles (decode-sized batches)");
   m.def("int8_linear", &int8_linear, "W8A8: x quantized per row, int8 W per column, AVX512-VNNI int32 sums");
   m.def("fp8_round_input", &fp8_round_input, "x rounded to e4m3 at a static, per-row or per-tensor scale, and back");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");

@@ -1,0 +1,39 @@
+"""A dense bf16 weight for decode-sized batches on AVX512-BF16 CPUs (the C++ in quantized_linear.cpp): the
+weight in fp8_layout.py's arrangement, two bytes an element (per tile of 16 output columns and pair of input
+rows, each column's two elements side by side), streamed once per 8 rows of x with one pair dot product per
+vector. At 1-4 rows it ran 1.3-1.9x as fast as oneDNN's packed matmul on the 2-core AMD host (125M shapes);
+at 8 rows even, at 16 slower, so callers use it for few rows only."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm_kernels.cpu.build import cpu_supported, extension
+
+__all__ = ["MAX_ROWS", "cpu_supported", "linear", "pack", "reference"]
+
+MAX_ROWS = 4  # above this, oneDNN's packed matmul is as fast (measured)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (N a multiple of 16, K even) -> [N/16, K/2, 16, 2]."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % 16 or k % 2:
+        raise ValueError(f"a bf16 weight with N % 16 == 0 and even K, not {weight.dtype} {tuple(weight.shape)}")
+    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] bf16 -> [rows, N] bf16; bias float32 [N] or None."""
+    if x.dim() != 2 or x.shape[1] != packed.shape[1] * 2:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of {packed.shape[1] * 2} inputs")
+    if x.stride(1) != 1 or x.stride(0) % 2:
+        x = x.contiguous()
+    return extension().bf16_linear(x, packed, bias)
+
+
+def reference(x, packed, bias=None) -> torch.Tensor:
+    n16, k2 = packed.shape[:2]
+    weight = packed.permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2)
+    y = x.float() @ weight.float().t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)

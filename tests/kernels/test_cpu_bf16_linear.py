@@ -1,0 +1,40 @@
+"""Our AVX512-BF16 dense linear for decode-sized batches (bf16_tiles.py) against an fp32 reference: row
+counts on both sides of its 8-row block, bias, strided rows, its packing's round trip and refusals."""
+
+import pytest
+import torch
+from pagedllm_kernels.cpu import bf16_tiles
+
+supported, why = bf16_tiles.cpu_supported()
+pytestmark = pytest.mark.skipif(not supported, reason=why)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_reference(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 160, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
+    packed = bf16_tiles.pack(w)
+    got = bf16_tiles.linear(x, packed, b)
+    want = (x.float() @ w.float().t() + (b if bias else 0)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=1e-2)
+    torch.testing.assert_close(bf16_tiles.reference(x, packed, b), want)
+
+
+def test_strided_rows_are_read_as_they_are():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    wide = torch.randn(3, 128).to(torch.bfloat16)
+    x = wide[:, :64]  # a view: rows 128 apart
+    assert not x.is_contiguous()
+    packed = bf16_tiles.pack(w)
+    torch.testing.assert_close(bf16_tiles.linear(x, packed), bf16_tiles.linear(x.contiguous(), packed))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="N % 16"):
+        bf16_tiles.pack(torch.zeros(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        bf16_tiles.linear(torch.zeros(1, 32, dtype=torch.bfloat16), bf16_tiles.pack(torch.zeros(16, 64, dtype=torch.bfloat16)))
