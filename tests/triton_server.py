@@ -55,7 +55,8 @@ class Server:
 
     def all_blocks_free(self, m: dict[str, float] | None = None) -> bool:
         m = m if m is not None else self.scrape()
-        return (m.get("pagedllm:kv_blocks_free") == m.get("pagedllm:kv_blocks_total")
+        # The gauges exist (at 0) before their first publication: a pool of 0 blocks is not yet published.
+        return (m.get("pagedllm:kv_blocks_total", 0) > 0 and m.get("pagedllm:kv_blocks_free") == m.get("pagedllm:kv_blocks_total")
                 and m.get("pagedllm:num_requests_running") == 0 and m.get("pagedllm:num_requests_waiting") == 0)
 
 
