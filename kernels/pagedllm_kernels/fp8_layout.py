@@ -19,16 +19,26 @@ def check_shapes(out_features: int, in_features: int) -> None:
                          f"features {in_features} even")
 
 
+def arrange(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] of any dtype -> [N/16, K/2, 16, 2]: this layout's arrangement (also the dense bf16 kernel's,
+    cpu/bf16_tiles.py)."""
+    n, k = weight.shape
+    return weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unarrange(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of arrange: [N/16, K/2, 16, 2] -> [N, K]."""
+    tiles, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2)
+
+
 def pack(weight: torch.Tensor, scales: torch.Tensor):
     """weight [N, K] float8_e4m3fn, scales [N] -> (packed, scales) in this layout."""
     n, k = weight.shape
     check_shapes(n, k)
-    packed = weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return packed, scales.float().reshape(n // TILE, 1, TILE).contiguous()
+    return arrange(weight), scales.float().reshape(n // TILE, 1, TILE).contiguous()
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference: the [N, K] weight (element * scale, in fp32, then rounded to dtype)."""
-    tiles, pairs = packed.shape[:2]
-    w = packed.permute(0, 2, 1, 3).reshape(tiles * TILE, pairs * 2).float()
-    return (w * scales.reshape(-1, 1)).to(dtype)
+    return (unarrange(packed).float() * scales.reshape(-1, 1)).to(dtype)

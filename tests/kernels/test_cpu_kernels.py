@@ -4,6 +4,7 @@ sliding windows; the fused ops."""
 
 import pytest
 import torch
+from cpu_caches import poison_outside_rows
 from pagedllm_kernels.cpu import amx_linear, kv_layout
 from pagedllm_kernels.cpu import paged_attention as kernel
 
@@ -78,17 +79,11 @@ def test_strided_queries_are_read_in_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_only_the_rows_blocks_are_read(dtype):
-    """Poisoning every block no row owns (and the padding block 0) must not change any output."""
+    """Poisoning every block no row owns (and the padding block 0), and each row's last block past its length,
+    must not change any output."""
     q, kc, vc, tables, lens = make(4, 2, 64, 16, dtype)
     before = attend(q, kc, vc, tables, lens, 0.125)
-    owned = {int(b) for i, n in enumerate(lens) for b in tables[i, :-(-int(n) // 16)]}
-    for b in range(kc.shape[0]):
-        if b not in owned:
-            kc[b], vc[b] = float("nan"), float("nan")
-    # Tokens past a row's length inside its last block are not read either.
-    for i, n in enumerate(lens.tolist()):
-        last, used = int(tables[i, (n - 1) // 16]), (n - 1) % 16 + 1
-        kc[last, used:], vc[last, used:] = float("nan"), float("nan")  # bf16: also the odd token's pair mate
+    poison_outside_rows(kc, vc, tables, lens, 16)
     torch.testing.assert_close(attend(q, kc, vc, tables, lens, 0.125), before)
 
 

@@ -5,6 +5,7 @@ windows, positions nobody owns poisoned."""
 
 import pytest
 import torch
+from cpu_caches import poison_outside_rows
 from pagedllm_kernels.cpu import kv_layout
 from pagedllm_kernels.cpu import paged_attention as kernel
 
@@ -86,13 +87,7 @@ def test_only_each_rows_context_is_read(dtype):
     """NaN in every block no row owns and past each row's length in its last block changes no output."""
     q, kc, vc, tables, lens, starts = make(4, 2, 64, 16, dtype)
     before = attend(q, kc, vc, tables, lens, starts, 0.125)
-    owned = {int(b) for i, n in enumerate(lens) for b in tables[i, :-(-int(n) // 16)]}
-    for b in range(kc.shape[0]):
-        if b not in owned:
-            kc[b], vc[b] = float("nan"), float("nan")
-    for i, n in enumerate(lens.tolist()):
-        last, used = int(tables[i, (n - 1) // 16]), (n - 1) % 16 + 1
-        kc[last, used:], vc[last, used:] = float("nan"), float("nan")
+    poison_outside_rows(kc, vc, tables, lens, 16)
     torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125), before)
 
 

@@ -9,18 +9,23 @@ from __future__ import annotations
 import torch
 
 from pagedllm_kernels.cpu.build import cpu_supported, extension
+from pagedllm_kernels.fp8_layout import TILE, arrange, unarrange
 
-__all__ = ["MAX_ROWS", "cpu_supported", "linear", "pack", "reference"]
+__all__ = ["MAX_ROWS", "can_pack", "cpu_supported", "linear", "pack", "reference"]
 
 MAX_ROWS = 4  # above this, oneDNN's packed matmul is as fast (measured)
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and n % TILE == 0 and k % 2 == 0
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] (N a multiple of 16, K even) -> [N/16, K/2, 16, 2]."""
-    n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or n % 16 or k % 2:
+    if not can_pack(weight):
         raise ValueError(f"a bf16 weight with N % 16 == 0 and even K, not {weight.dtype} {tuple(weight.shape)}")
-    return weight.detach().view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return arrange(weight.detach())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +38,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def reference(x, packed, bias=None) -> torch.Tensor:
-    n16, k2 = packed.shape[:2]
-    weight = packed.permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2)
-    y = x.float() @ weight.float().t()
+    y = x.float() @ unarrange(packed).float().t()
     return (y if bias is None else y + bias.float()).to(x.dtype)
