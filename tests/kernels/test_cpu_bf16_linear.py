@@ -1,5 +1,5 @@
 """Our AVX512-BF16 dense linear for decode-sized batches (bf16_tiles.py) against an fp32 reference: row
-counts on both sides of its 8-row block, bias, strided rows, its packing's round trip and refusals."""
+counts on both sides of its 8-row block, column counts that leave runs of tiles short, bias, strided rows, its packing's round trip and refusals."""
 
 import pytest
 import torch
@@ -9,17 +9,19 @@ supported, why = bf16_tiles.cpu_supported()
 pytestmark = pytest.mark.skipif(not supported, reason=why)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 17])
+# 16, 96 and 112 columns: 1, 6 and 7 tiles (a run of 4 tiles and its remainder, taken 4, 2 or 1 at a time)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("n", [16, 96, 112])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_the_reference(rows, bias):
+def test_matches_the_reference(rows, n, bias):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 160, generator=g).to(torch.bfloat16)
-    b = torch.randn(96, generator=g) if bias else None
+    w = torch.randn(n, 160, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
     packed = bf16_tiles.pack(w)
     got = bf16_tiles.linear(x, packed, b)
     want = (x.float() @ w.float().t() + (b if bias else 0)).to(torch.bfloat16)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=1e-2)
     torch.testing.assert_close(bf16_tiles.reference(x, packed, b), want)
 

@@ -42,7 +42,7 @@ def test_few_rows_go_to_our_kernel(bias):
     linear = nn.Linear(192, 320, bias=bias).to(torch.bfloat16)
     packed = PackedLinear(linear, kernel)
     with torch.inference_mode():
-        for rows in (1, 2, 3, 4, 5, 9):
+        for rows in (1, 2, 3, 4, 5, 9, kernel.MAX_ROWS, kernel.MAX_ROWS + 1):
             x = torch.randn(rows, 192, dtype=torch.bfloat16)
             got, want = packed(x), F.linear(x, linear.weight, linear.bias)
             if rows <= kernel.MAX_ROWS:

@@ -1,8 +1,10 @@
 """A dense bf16 weight for decode-sized batches on AVX512-BF16 CPUs (the C++ in quantized_linear.cpp): the
 weight in fp8_layout.py's arrangement, two bytes an element (per tile of 16 output columns and pair of input
-rows, each column's two elements side by side), streamed once per 8 rows of x with one pair dot product per
-vector. At 1-4 rows it ran 1.3-1.9x as fast as oneDNN's packed matmul on the 2-core AMD host (125M shapes);
-at 8 rows even, at 16 slower, so callers use it for few rows only."""
+rows, each column's two elements side by side), streamed once per 8 rows of x, several tiles side by side so
+each broadcast of x feeds several pair dot products. On the 2-core AMD host, the 125M model's 49 linears with
+the weights streamed from memory (one process, alternated with oneDNN's packed matmul): 1.65-1.9x oneDNN at
+1-2 rows, 1.3-1.55x at 4-12, 1.1-1.2x at 16-64, 1.04-1.4x at 96-256 (oneDNN pads 65-128 rows to 128), 0.97-0.98x
+at 512 and 2,048, so callers use it up to MAX_ROWS."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pagedllm_kernels.fp8_layout import TILE, arrange, unarrange
 
 __all__ = ["MAX_ROWS", "can_pack", "cpu_supported", "linear", "pack", "reference"]
 
-MAX_ROWS = 4  # above this, oneDNN's packed matmul is as fast (measured)
+MAX_ROWS = 256  # above this, oneDNN's packed matmul is as fast (measured)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
