@@ -43,3 +43,15 @@ def test_tensor_parallel_traffic_matches_theory():
     assert all(r["all_reduce_calls_per_step"] == 2 * 2 + 1 for r in comm)  # the tiny model has 2 layers
     (tput,) = [r for r in records if r["bench"] == "tp_throughput"]
     assert tput["identical_sequences"] == "8/8"
+
+
+def test_bf16_linear_compares_both_paths():
+    from pagedllm_kernels.cpu import bf16_tiles
+
+    supported, why = bf16_tiles.cpu_supported()
+    if not supported:
+        pytest.skip(why)
+    records = run("bf16_linear.py", "--rows", "1,300", "--passes", "1")
+    assert [r["rows"] for r in records] == [1, 300]
+    assert all(r["ours_ms"] > 0 and r["onednn_ms"] > 0 and r["speed_ratio_ours_over_onednn"] > 0 for r in records)
+    assert [r["our_kernel_in_use"] for r in records] == [1 <= bf16_tiles.MAX_ROWS, 300 <= bf16_tiles.MAX_ROWS]

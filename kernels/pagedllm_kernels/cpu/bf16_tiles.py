@@ -2,9 +2,9 @@
 weight in fp8_layout.py's arrangement, two bytes an element (per tile of 16 output columns and pair of input
 rows, each column's two elements side by side), streamed once per 8 rows of x, several tiles side by side so
 each broadcast of x feeds several pair dot products. On the 2-core AMD host, the 125M model's 49 linears with
-the weights streamed from memory (one process, alternated with oneDNN's packed matmul): 1.65-1.9x oneDNN at
-1-2 rows, 1.3-1.55x at 4-12, 1.1-1.2x at 16-64, 1.04-1.4x at 96-256 (oneDNN pads 65-128 rows to 128), 0.97-0.98x
-at 512 and 2,048, so callers use it up to MAX_ROWS."""
+the weights streamed from memory (one process, alternated with oneDNN's packed matmul; perf/bf16_linear.py):
+1.47-1.89x oneDNN at 1-2 rows, 1.31-1.56x at 4-12, 1.04-1.24x at 16-64, 1.04-1.4x at 96-256 (oneDNN pads 65-128
+rows to 128), 0.97-0.99x at 512 and 2,048, so callers use it up to MAX_ROWS."""
 
 from __future__ import annotations
 
