@@ -1,8 +1,8 @@
 """bf16 linears on CPU as a decode step sees them: the 125M model's 49 linears (12 layers of q/k/v, o, gate/up,
 down, then the LM head), each with its own weight so they stream from memory as in a forward pass, through our
 AVX512-BF16 kernel (bf16_tiles.py) and through oneDNN's packed matmul (PackedLinear's other path), alternated
-pass by pass in one process; per row count the median pass of each and their ratio. It sets
-`bf16_tiles.MAX_ROWS`, the row count up to which PackedLinear takes our kernel.
+pass by pass in one process; per row count the median pass of each, their ratio, and whether PackedLinear
+sends that many rows to our kernel (`bf16_tiles.MAX_ROWS`).
 
     .venv/bin/python perf/bf16_linear.py [--rows 1,2,4,8,16,32,64,128,256,512] [--passes 12]
 """
@@ -47,8 +47,8 @@ def main() -> None:
     del dense
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            one_pass(rows, ours, bf16_tiles.linear)  # warm-up: oneDNN builds its primitive for this shape
-            one_pass(rows, onednn, packed_matmul)
+            one_pass(rows, ours, bf16_tiles.linear)  # warm-up
+            one_pass(rows, onednn, packed_matmul)  # oneDNN builds its primitive for this shape
             times = {"ours": [], "onednn": []}
             for _ in range(args.passes):
                 times["ours"].append(one_pass(rows, ours, bf16_tiles.linear))

@@ -1,5 +1,6 @@
 """Our AVX512-BF16 dense linear for decode-sized batches (bf16_tiles.py) against an fp32 reference: row
-counts on both sides of its 8-row block, column counts that leave runs of tiles short, bias, strided rows, its packing's round trip and refusals."""
+counts on both sides of its 8-row block, column counts that leave runs of tiles short, bias, strided rows, its
+packing's round trip and refusals."""
 
 import pytest
 import torch
