@@ -4,7 +4,8 @@
   the model reports NOT READY, loads itself again (new workers) and serves again.
 - SIGTERM to `pagedllm serve` during streams: each stream finishes or gets a clear error, and afterwards no
   process that it started (tritonserver, the Python-backend stub, tensor-parallel workers) is alive, checked
-  against the process table. A second signal stops everything at once.
+  against the process table. A second signal stops everything at once. A signal while `serve` still starts
+  (tritonserver already serving, the OpenAI front end not yet up) drains tritonserver all the same.
 - Every socket those processes listen on is on loopback, unless `--host` says otherwise.
 """
 
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import psutil
 import pytest
@@ -89,7 +89,10 @@ def test_a_killed_worker_fails_in_flight_requests_then_the_model_comes_back(llam
         triton_server.stop(server)
 
 
-def _serve(llama_dir, tmp_path, drain_timeout: int, tp: int = 2, host: str = "127.0.0.1"):
+def _serve(llama_dir, tmp_path, drain_timeout: int, tp: int = 2, host: str = "127.0.0.1",
+           until_banner: bool = True):
+    """`pagedllm serve` in a subprocess; returns once it prints its banner (it is serving on every port), or with
+    `until_banner=False` as soon as tritonserver answers, which may be before the OpenAI front end is up."""
     ports = [free_port() for _ in range(4)]  # HTTP, gRPC, metrics, and the OpenAI front end `serve` starts too
     engine_args = ["--engine-arg", "dtype=\"float32\"", "--engine-arg", "max_model_len=512",
                    "--engine-arg", f"kv_cache_memory_bytes={8 << 20}", "--engine-arg", f"tensor_parallel_size={tp}"]
@@ -101,18 +104,16 @@ def _serve(llama_dir, tmp_path, drain_timeout: int, tp: int = 2, host: str = "12
     server = triton_server.Server(proc, *ports[:3], tmp_path / "serve.log")
     server.openai = ports[3]
     deadline = time.monotonic() + 240
-    while _status(server) != 200 or _openai_health(server) != 200:  # the front end starts once the model is ready
+    # `serve` starts the front end once the model is ready, then prints the banner. A client that sees both answer
+    # may still be ahead of `serve` itself, which is then still waiting for the front end.
+    while not (_banner(tmp_path) if until_banner else _status(server) == 200):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-        time.sleep(0.5)
+        time.sleep(0.1 if not until_banner else 0.5)
     return proc, server
 
 
-def _openai_health(server) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.openai}/health", timeout=10) as r:
-            return r.status
-    except OSError:
-        return 0
+def _banner(tmp_path) -> bool:
+    return b"pagedllm is serving" in (tmp_path / "serve.log").read_bytes()
 
 
 def _status(server) -> int:
@@ -194,5 +195,26 @@ def test_a_second_signal_stops_everything_at_once(llama_dir, tmp_path, cleanup):
     assert proc.poll() is None  # draining
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(60) == 0  # at once, not after the 600 s drain
+    wait_for(lambda: not alive(family), timeout=30)
+    idle.close()
+
+
+def test_a_signal_while_the_front_end_starts_still_drains_tritonserver(llama_dir, tmp_path, cleanup):
+    """SIGTERM as soon as tritonserver serves, most often while `serve` still waits for its OpenAI front end:
+    tritonserver, which may have requests in flight, drains (an idle keep-alive connection holds it open) rather
+    than being killed with the front end. A second signal then ends it."""
+    proc, server = _serve(llama_dir, tmp_path, drain_timeout=600, tp=1, until_banner=False)
+    family = _started_by(proc)
+    cleanup.append(family)
+    idle = http.client.HTTPConnection("127.0.0.1", server.http, timeout=30)
+    idle.request("GET", "/v2/health/live")
+    idle.getresponse().read()
+    os.kill(proc.pid, signal.SIGTERM)
+    log = tmp_path / "serve.log"
+    wait_for(lambda: b"HTTP service connections" in log.read_bytes() or proc.poll() is not None, timeout=60)
+    assert proc.poll() is None, log.read_text()[-3000:]  # tritonserver is draining, held by the idle connection
+    family += [p for p in _started_by(proc) if p not in family]  # the front end, if it had started
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == 0
     wait_for(lambda: not alive(family), timeout=30)
     idle.close()

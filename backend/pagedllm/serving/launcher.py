@@ -15,7 +15,8 @@ of the drain, kills the whole group, so nothing the server started outlives it.
 With `--openai-port` (default 9000; 0 = off), `pagedllm openai` runs beside it as a subprocess once the model is
 ready: an OpenAI-compatible HTTP front end that talks to tritonserver over gRPC. A signal stops it first (it
 drains its own open requests, which Triton is still serving), then tritonserver drains; it is killed in any
-case when `serve` ends.
+case when `serve` ends. A signal while `serve` is still starting (tritonserver loading, or already serving while
+the front end starts) is treated the same way: whatever has started drains.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,15 +139,20 @@ def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, met
                             start_new_session=True)
 
 
-def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None) -> None:
+def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None,
+               cancelled: Callable[[], bool] = lambda: False) -> None:
     url = f"http://127.0.0.1:{http_port}/v2/" + (f"models/{model}/ready" if model else "health/ready")
-    wait_for_200(url, proc, timeout, "tritonserver", "")
+    wait_for_200(url, proc, timeout, "tritonserver", "", cancelled)
 
 
-def wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str) -> None:
-    """Poll `url` until it answers 200; raise if `proc` exits first or the time runs out."""
+def wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str,
+                 cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Poll `url` until it answers 200 or `cancelled()` turns true; raise if `proc` exits first or the time runs
+    out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if cancelled():
+            return
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode}{exit_hint}")
         try:
@@ -217,9 +224,10 @@ def start_openai_frontend(host: str, port: int, triton_grpc_url: str, drain_time
     return subprocess.Popen(cmd, start_new_session=True)
 
 
-def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0,
+                      cancelled: Callable[[], bool] = lambda: False) -> None:
     wait_for_200(f"{url}/health", proc, timeout, "the OpenAI front end",
-                  " (is its port free? --openai-port 0 turns it off)")
+                 " (is its port free? --openai-port 0 turns it off)", cancelled)
 
 
 def stop_process(proc: subprocess.Popen | None) -> None:
@@ -305,14 +313,20 @@ def serve(args) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        wait_ready(args.http_port, proc, model="pagedllm")
+        # A signal while `serve` starts ends these waits: tritonserver, perhaps already serving, then drains in the
+        # loop below like any other (its exit timeout), rather than being killed with whatever is in flight.
+        def stopping() -> bool:
+            return bool(signals)
+
+        wait_ready(args.http_port, proc, model="pagedllm", cancelled=stopping)
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         openai_url = f"http://{local}:{args.openai_port}"
         if args.openai_port and not signals:
             frontend.append(start_openai_frontend(args.host, args.openai_port, f"{local}:{args.grpc_port}",
                                                   args.drain_timeout))
-            wait_openai_ready(openai_url, frontend[0])
-        print(f"""
+            wait_openai_ready(openai_url, frontend[0], cancelled=stopping)
+        if not signals:
+            print(f"""
 pagedllm is serving {model}
   HTTP    http://{local}:{args.http_port}   (POST /v2/models/pagedllm/generate and /generate_stream)
   gRPC    {local}:{args.grpc_port}          (streaming)
@@ -338,7 +352,7 @@ Try:
             time.sleep(0.2)
         return 0 if signals else proc.returncode
     except Exception:
-        if signals:  # the signal came during start-up
+        if signals:  # start-up failed as it was being stopped
             return 0
         raise
     finally:
