@@ -1,6 +1,9 @@
 """The engine thread used by the Triton adapter: outputs, per-request errors, abort, engine death and the
 bounded, backed-off restarts after it."""
 
+import gc
+import weakref
+
 import pytest
 
 from conftest import Collector, assert_all_blocks_free, wait_for
@@ -78,6 +81,28 @@ def test_a_dead_engine_is_rebuilt_and_serves_again(llm):
     engine = loop.engine
     loop.stop()
     assert engine.kv.all_free()
+
+
+def test_with_freeze_heap_the_heap_is_frozen_while_an_engine_serves_and_a_dead_engine_is_collected(llm):
+    c, at_death, at_up = Collector(), [], []
+    config = llm.engine.config
+    first = LLMEngine(config)
+    _fail_forward(first)
+    loop = EngineLoop(lambda: LLMEngine(config), c, on_dead=lambda e: at_death.append(gc.get_freeze_count()),
+                      on_up=lambda: at_up.append(gc.get_freeze_count()), engine=first, backoff_s=0.05,
+                      freeze_heap=True)
+    try:
+        assert gc.get_freeze_count() > 0  # the first engine's heap
+        first_ref, process = weakref.ref(first), first.input_processor.process
+        del first
+        loop.submit("x", process([0, 5, 6], SamplingParams(max_tokens=4)))
+        wait_for(lambda: loop.healthy and at_up, timeout=120)
+        assert at_death == [0] and at_up[0] > 0  # unfrozen before the dead engine was dropped, frozen once rebuilt
+        gc.collect()
+        assert first_ref() is None  # nothing frozen keeps the dead engine
+    finally:
+        loop.stop()
+    assert gc.get_freeze_count() == 0
 
 
 def test_restart_attempts_are_bounded_and_requests_meanwhile_are_refused(llm):

@@ -94,7 +94,7 @@ class TritonPythonModel:
         self.metrics = None
         self.loop = EngineLoop(self._build_engine, self._on_output, on_dead=self._on_engine_dead,
                                max_restarts=self.serving.max_engine_restarts,
-                               backoff_s=self.serving.engine_restart_backoff_s)
+                               backoff_s=self.serving.engine_restart_backoff_s, freeze_heap=True)
         # Requests are tokenized and validated on Triton's thread with the adapter's own tokenizer; the engine
         # thread detokenizes with the engine's. The two are never shared across threads.
         cfg = self.engine_config

@@ -4,7 +4,9 @@ rows, each column's two elements side by side), streamed once per 8 rows of x, s
 each broadcast of x feeds several pair dot products. On the 2-core AMD host, the 125M model's 49 linears with
 the weights streamed from memory (one process, alternated with oneDNN's packed matmul; perf/bf16_linear.py):
 1.47-1.89x oneDNN at 1-2 rows, 1.31-1.56x at 4-12, 1.04-1.24x at 16-64, 1.04-1.4x at 96-256 (oneDNN pads 65-128
-rows to 128), 0.97-0.99x at 512 and 2,048, so callers use it up to MAX_ROWS."""
+rows to 128), 1.05-1.26x at 257-300 (a step oneDNN takes just above 256), 1.0-1.08x at 512, 0.99-1.06x at 1,024,
+0.92-1.0x at 2,048, so callers use it up to MAX_ROWS. End to end, a 264-token prompt's prefill took 1.28-1.30x a
+250-token one's with oneDNN above 256 rows and 1.04-1.07x with our kernel up to 512 (125M, one process each)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pagedllm_kernels.fp8_layout import TILE, arrange, unarrange
 
 __all__ = ["MAX_ROWS", "can_pack", "cpu_supported", "linear", "pack", "reference"]
 
-MAX_ROWS = 256  # above this, oneDNN's packed matmul is as fast (measured)
+MAX_ROWS = 512  # above this, oneDNN's packed matmul is as fast or faster (measured)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

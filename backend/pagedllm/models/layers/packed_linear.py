@@ -4,9 +4,9 @@
   (decodes) it streams the weight at 17-21 GB/s where oneDNN's packed path reached 14-15 (a 125M decode
   step 15% shorter); larger batches go to oneDNN on the weight unpacked into a reused buffer.
 - `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
-  M <= 64, equal for large batches); up to 256 rows (decodes, short prompts) our AVX512-BF16 kernel runs on a
-  second copy of the weight in its own tiles (bf16_tiles.py), 1.04-1.9x as fast as oneDNN there (most at the
-  fewest rows). The copy doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the
+  M <= 64, equal for large batches); up to 512 rows (decodes, short prompts, mixed steps) our AVX512-BF16 kernel
+  runs on a second copy of the weight in its own tiles (bf16_tiles.py), 1.0-1.9x as fast as oneDNN there (most
+  at the fewest rows). The copy doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the
   weight at the host's bandwidth.
 
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
@@ -120,8 +120,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", pack_weight(linear.weight))
         self.bias = linear.bias
-        # Up to tiles_kernel.MAX_ROWS rows (decodes, short prompts), our kernel on a second copy of the weight in
-        # its tiles: 1.04-1.9x as fast as oneDNN there (bf16_tiles.py).
+        # Up to tiles_kernel.MAX_ROWS rows (decodes, short prompts, mixed steps), our kernel on a second copy of the
+        # weight in its tiles: 1.0-1.9x as fast as oneDNN there (bf16_tiles.py).
         self.tiles_kernel = tiles_kernel if tiles_kernel is not None and tiles_kernel.can_pack(linear.weight) else None
         if self.tiles_kernel is not None:
             self.register_buffer("weight_tiles", self.tiles_kernel.pack(linear.weight))
