@@ -50,3 +50,50 @@ def test_few_rows_go_to_our_kernel(bias):
                 torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=1e-2)
             else:
                 assert torch.equal(got, want), rows
+
+
+def test_the_row_limit_raced_at_load_is_honoured():
+    kernel = _tiles_kernel()
+    if kernel is None:
+        pytest.skip("no AVX512-BF16 kernel on this host")
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 320).to(torch.bfloat16)
+    packed = PackedLinear(linear, kernel)
+    packed.max_tile_rows = 16
+    with torch.inference_mode():
+        x = torch.randn(17, 192, dtype=torch.bfloat16)
+        assert torch.equal(packed(x[:16]), kernel.linear(x[:16], packed.weight_tiles, packed.bias_f32))
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))  # oneDNN above the limit
+
+
+def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
+    from pagedllm.models.layers import linear_race
+
+    layers = [("model.layers.0.mlp.down_proj", type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4)}))]
+
+    def fake_time(ours_s):
+        return lambda ls, xs, tile, repeats: ours_s(next(iter(xs.values())).shape[0]) if tile else 0.02
+
+    monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.01 if rows < 64 else 0.03))
+    limit, record = linear_race.race_tile_rows(layers)
+    assert limit == 32 and [r["rows"] for r in record] == [16, 32, 64]  # lost at 64: the race ends there
+    monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.01))
+    assert linear_race.race_tile_rows(layers)[0] == linear_race.RACE_ROWS[-1]
+    monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.03))
+    assert linear_race.race_tile_rows(layers)[0] == linear_race.ALWAYS_OURS  # lost at once: decodes only
+    slow = lambda rows: 0.2 if rows == 16 else 0.01  # noqa: E731
+    monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: slow(16) if tile else 0.3)
+    assert linear_race.race_tile_rows(layers) == (16, [{"rows": 16, "ours_ms": 200.0, "onednn_ms": 300.0}])
+
+
+def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
+    from pagedllm.models.layers import linear_race
+    from pagedllm.models.layers.packed_linear import pack_linears
+
+    if _tiles_kernel() is None:
+        pytest.skip("no AVX512-BF16 kernel on this host")
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256), nn.Linear(256, 512), nn.Linear(512, 256))
+    model = model.to(torch.bfloat16)
+    assert pack_linears(model, use_amx=False) == 4
+    limits = {m.max_tile_rows for m in model.modules() if isinstance(m, PackedLinear)}
+    assert len(limits) == 1 and limits <= {linear_race.ALWAYS_OURS, *linear_race.RACE_ROWS}

@@ -17,9 +17,11 @@ batch-1 decode 17.6 -> 23.1 ms, measured).
 
 With `freeze_heap`, every object alive once an engine is built (its modules, tokenizer, tables: ~320k for a 125M
 model) is moved out of the garbage collector's reach (`gc.freeze`, as vLLM's engine core does), so a full
-collection scans only what serving allocated since: served 125M, full collections of that heap stalled every
-stream for 200-360 ms, twice in a 2-minute run. The heap is unfrozen before an engine is dropped (a death, the
-stop), so what the old engine leaves in reference cycles can be collected.
+collection scans only what serving allocated since. A full collection of the unfrozen heap took 170-360 ms in
+the Triton stub (125M; measured at load and at unload); none ran within a few minutes of benchmark load, but a
+long-running server crosses the threshold in time, and each would stall every stream. The heap is unfrozen
+before an engine is dropped (a death, the stop), so what the old engine leaves in reference cycles can be
+collected.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ the weights streamed from memory (one process, alternated with oneDNN's packed m
 1.47-1.89x oneDNN at 1-2 rows, 1.31-1.56x at 4-12, 1.04-1.24x at 16-64, 1.04-1.4x at 96-256 (oneDNN pads 65-128
 rows to 128), 1.05-1.26x at 257-300 (a step oneDNN takes just above 256), 1.0-1.08x at 512, 0.99-1.06x at 1,024,
 0.92-1.0x at 2,048, so callers use it up to MAX_ROWS. End to end, a 264-token prompt's prefill took 1.28-1.30x a
-250-token one's with oneDNN above 256 rows and 1.04-1.07x with our kernel up to 512 (125M, one process each)."""
+250-token one's with oneDNN above 256 rows and 1.04-1.07x with our kernel up to 512 (125M, one process each).
+On the 2-core Zen 5 host (full-width AVX-512) it is 1.3-1.4x oneDNN at 1-2 rows, 1.07-1.25x at 4-8, but 0.85-0.94x
+at 16-64: PackedLinear races the two at load (backend/pagedllm/models/layers/linear_race.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pagedllm_kernels.fp8_layout import TILE, arrange, unarrange
 
 __all__ = ["MAX_ROWS", "can_pack", "cpu_supported", "linear", "pack", "reference"]
 
-MAX_ROWS = 512  # above this, oneDNN's packed matmul is as fast or faster (measured)
+MAX_ROWS = 512  # above this, oneDNN's packed matmul is as fast or faster (measured, Zen 4); the race's ceiling
 
 
 def can_pack(weight: torch.Tensor) -> bool:

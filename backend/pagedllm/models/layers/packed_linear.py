@@ -4,9 +4,9 @@
   (decodes) it streams the weight at 17-21 GB/s where oneDNN's packed path reached 14-15 (a 125M decode
   step 15% shorter); larger batches go to oneDNN on the weight unpacked into a reused buffer.
 - `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
-  M <= 64, equal for large batches); up to 512 rows (decodes, short prompts, mixed steps) our AVX512-BF16 kernel
-  runs on a second copy of the weight in its own tiles (bf16_tiles.py), 1.0-1.9x as fast as oneDNN there (most
-  at the fewest rows). The copy doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the
+  M <= 64, equal for large batches); for decodes (and up to 512 rows where a race at load says it wins: on Zen 4
+  it did, on Zen 5 oneDNN leads from 16 rows, linear_race.py) our AVX512-BF16 kernel runs on a second copy of the
+  weight in its own tiles (bf16_tiles.py), 1.07-1.9x as fast as oneDNN at up to 8 rows. The copy doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the
   weight at the host's bandwidth.
 
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
@@ -28,6 +28,8 @@ import logging
 
 import torch
 from torch import nn
+
+from pagedllm.models.layers.linear_race import race_tile_rows
 
 logger = logging.getLogger(__name__)
 
@@ -120,20 +122,24 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", pack_weight(linear.weight))
         self.bias = linear.bias
-        # Up to tiles_kernel.MAX_ROWS rows (decodes, short prompts, mixed steps), our kernel on a second copy of the
-        # weight in its tiles: 1.0-1.9x as fast as oneDNN there (bf16_tiles.py).
+        # Up to max_tile_rows rows (decodes, and as many more as the race at load gave it), our kernel on a second
+        # copy of the weight in its tiles (bf16_tiles.py).
         self.tiles_kernel = tiles_kernel if tiles_kernel is not None and tiles_kernel.can_pack(linear.weight) else None
+        self.max_tile_rows = 0  # the most rows our kernel takes (pack_linears races it; the kernel's MAX_ROWS else)
         if self.tiles_kernel is not None:
+            self.max_tile_rows = self.tiles_kernel.MAX_ROWS
             self.register_buffer("weight_tiles", self.tiles_kernel.pack(linear.weight))
             self.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.tiles_kernel is not None and rows.shape[0] <= self.tiles_kernel.MAX_ROWS:
-            y = self.tiles_kernel.linear(rows, self.weight_tiles, self.bias_f32)
-        else:
-            y = packed_matmul(rows, self.packed_weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self.run(rows, rows.shape[0] <= self.max_tile_rows).view(*x.shape[:-1], self.out_features)
+
+    def run(self, rows: torch.Tensor, tile: bool) -> torch.Tensor:
+        """rows [n, in] -> [n, out] through our kernel (`tile`, which needs its tiles) or oneDNN."""
+        if tile:
+            return self.tiles_kernel.linear(rows, self.weight_tiles, self.bias_f32)
+        return packed_matmul(rows, self.packed_weight, self.bias)
 
 
 def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
@@ -150,4 +156,10 @@ def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
         fast = (AmxLinear(linear, amx, buffer) if amx is not None and amx.can_pack(linear.weight)
                 else PackedLinear(linear, tiles))
         model.set_submodule(name, fast)
+    tiled = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.tiles_kernel]
+    if tiled:
+        limit, record = race_tile_rows(tiled)
+        for _, m in tiled:
+            m.max_tile_rows = limit
+        logger.info("bf16 linears: our kernel up to %d rows, oneDNN above (raced at load: %s)", limit, record)
     return len(targets)

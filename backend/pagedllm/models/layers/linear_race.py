@@ -1,0 +1,60 @@
+"""Where our bf16 kernel hands over to oneDNN, raced once at load on the model's own layer shapes.
+
+The crossover is a property of the CPU, not of the kernel alone. On the 2-core Zen 4 host ours led oneDNN's packed
+matmul at every row count up to 256 (1.04-1.9x); on the 2-core Zen 5 host it leads up to 8 rows (1.07-1.3x) and
+trails from 16 to 128 (0.85-0.98x), where oneDNN's blocking uses the wider datapath better (perf/bf16_linear.py,
+both hosts). So up to `ALWAYS_OURS` rows (decodes, where streaming the weight at the host's bandwidth decides and
+ours won on both) our kernel runs without a race; above, each row count of `RACE_ROWS` is timed over the model's
+first linears in order, each its own weight, `RACE_BYTES` of them so they stream from memory as in a forward pass
+(one layer's, hot in cache, favoured ours at every count on Zen 5), best of a few calls, both paths in turn. Our
+kernel keeps the rows up to the last count it won with no loss below it; oneDNN takes every batch above that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALWAYS_OURS = 8
+RACE_ROWS = (16, 32, 64, 128, 256, 512)
+RACE_BYTES = 64 << 20  # twice the 2-core hosts' L3
+MAX_CALL_S = 0.1  # a call slower than this (a large model) ends the race: the limit stays where it is
+
+
+def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[int, list[dict]]:
+    """`named`: (name, PackedLinear with our kernel's tiles) in module order. Returns the largest row count our
+    kernel should take and each race point's timings (ms). The LM head is left out: it sees a decode's few rows."""
+    layers, total = [], 0
+    for name, m in named:
+        if not name.endswith("lm_head") and total < RACE_BYTES:
+            layers.append(m)
+            total += m.weight_tiles.numel() * m.weight_tiles.element_size()
+    layers = layers or [m for _, m in named]
+    limit, record = ALWAYS_OURS, []
+    with torch.inference_mode():
+        for rows in RACE_ROWS:
+            xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
+            ours, theirs = _time(layers, xs, tile=True, repeats=repeats), _time(layers, xs, tile=False,
+                                                                               repeats=repeats)
+            record.append({"rows": rows, "ours_ms": round(1e3 * ours, 3), "onednn_ms": round(1e3 * theirs, 3)})
+            if ours > theirs:
+                break
+            limit = rows
+            if ours > MAX_CALL_S:
+                break
+    return limit, record
+
+
+def _time(layers: list, xs: dict, tile: bool, repeats: int) -> float:
+    best = float("inf")
+    for i in range(repeats + 1):  # the first call builds oneDNN's primitive for the shape: not timed
+        start = time.perf_counter()
+        for m in layers:
+            m.run(xs[m.in_features], tile)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
