@@ -69,7 +69,8 @@ def test_the_row_limit_raced_at_load_is_honoured():
 def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
     from pagedllm.models.layers import linear_race
 
-    layers = [("model.layers.0.mlp.down_proj", type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4)}))]
+    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 512})
+    layers = [("model.layers.0.mlp.down_proj", fake)]
 
     def fake_time(ours_s):
         return lambda ls, xs, tile, repeats: ours_s(next(iter(xs.values())).shape[0]) if tile else 0.02
@@ -97,3 +98,12 @@ def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
     assert pack_linears(model, use_amx=False) == 4
     limits = {m.max_tile_rows for m in model.modules() if isinstance(m, PackedLinear)}
     assert len(limits) == 1 and limits <= {linear_race.ALWAYS_OURS, *linear_race.RACE_ROWS}
+
+
+def test_the_race_stops_at_the_layers_own_ceiling(monkeypatch):
+    from pagedllm.models.layers import linear_race
+
+    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 64})
+    monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: 0.01 if tile else 0.02)
+    limit, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
+    assert limit == 64 and [r["rows"] for r in record] == [16, 32, 64]

@@ -12,15 +12,12 @@ kernel keeps the rows up to the last count it won with no loss below it; oneDNN 
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
-logger = logging.getLogger(__name__)
-
 ALWAYS_OURS = 8
-RACE_ROWS = (16, 32, 64, 128, 256, 512)
+RACE_ROWS = (16, 32, 64, 128, 256, 512)  # those up to the layers' own ceiling (bf16_tiles.MAX_ROWS) are raced
 RACE_BYTES = 64 << 20  # twice the 2-core hosts' L3
 MAX_CALL_S = 0.1  # a call slower than this (a large model) ends the race: the limit stays where it is
 
@@ -36,7 +33,7 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
     layers = layers or [m for _, m in named]
     limit, record = ALWAYS_OURS, []
     with torch.inference_mode():
-        for rows in RACE_ROWS:
+        for rows in (r for r in RACE_ROWS if r <= layers[0].max_tile_rows):
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
             ours, theirs = _time(layers, xs, tile=True, repeats=repeats), _time(layers, xs, tile=False,
                                                                                repeats=repeats)

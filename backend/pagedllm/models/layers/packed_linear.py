@@ -6,8 +6,8 @@
 - `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
   M <= 64, equal for large batches); for decodes (and up to 512 rows where a race at load says it wins: on Zen 4
   it did, on Zen 5 oneDNN leads from 16 rows, linear_race.py) our AVX512-BF16 kernel runs on a second copy of the
-  weight in its own tiles (bf16_tiles.py), 1.07-1.9x as fast as oneDNN at up to 8 rows. The copy doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the
-  weight at the host's bandwidth.
+  weight in its own tiles (bf16_tiles.py), 1.07-1.9x as fast as oneDNN at up to 8 rows. The copy doubles the
+  linears' weight bytes (125M: +200 MB): the price of decode streaming the weight at the host's bandwidth.
 
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
 0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
