@@ -4,7 +4,10 @@ import pytest
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import selector
+from pagedllm_kernels.cpu import avx2_attention
 from pagedllm_kernels.cpu import paged_attention as cpu_kernel
+
+needs_avx2 = pytest.mark.skipif(not avx2_attention.avx2_supported()[0], reason=avx2_attention.avx2_supported()[1])
 
 
 def greedy(llm, prompts, n=6):
@@ -35,6 +38,20 @@ def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtyp
     assert cpu.get_stats().attention_backend == "cpu"
     assert greedy(cpu, prompts, n=24) == greedy(ref, prompts, n=24)
     assert_all_blocks_free(cpu)
+
+
+@needs_avx2
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
+def test_avx2_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
+    """Its decode rows through the AVX2 kernel (qwen2: grouped KV heads), prompts and chunks through SDPA."""
+    prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)
+    kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
+              device="cpu")
+    ref = LLM(model_dir(arch), attention_backend="torch", **kw)
+    avx2 = LLM(model_dir(arch), attention_backend="avx2", **kw)
+    assert avx2.get_stats().attention_backend == "avx2"
+    assert greedy(avx2, prompts, n=24) == greedy(ref, prompts, n=24)
+    assert_all_blocks_free(avx2)
 
 
 def test_auto_picks_a_working_backend_and_records_why(llama_dir):
@@ -79,11 +96,14 @@ def test_unknown_backend_name_is_an_error(llama_dir):
         LLM(llama_dir, attention_backend="flash9000")
 
 
-@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("name", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.cpu_supported()[0],
+                                                 reason=cpu_kernel.cpu_supported()[1])),
+    pytest.param("avx2", marks=needs_avx2)])
 @pytest.mark.parametrize("window", [None, 16])
-def test_cpu_backend_mixes_kernel_rows_and_fresh_prompts(window):
+def test_kernel_backends_mix_kernel_rows_and_fresh_prompts(name, window):
     """One step with 2 decode rows, a fresh 40-token prompt (fused SDPA unless longer than the window), and a
-    12-token chunk after 30 cached tokens (kernel rows): the cpu backend must match the torch reference."""
+    12-token chunk after 30 cached tokens: each kernel backend must match the torch reference."""
     import torch
     from pagedllm.attention.metadata import AttentionMetadata
 
@@ -98,8 +118,8 @@ def test_cpu_backend_mixes_kernel_rows_and_fresh_prompts(window):
     offsets = [0, 37, 87, 127]
     step = torch.cat([torch.arange(o + c - n, o + c) for o, c, n in zip(offsets, ctx, q_lens)])
     outs = {}
-    for name in ("torch", "cpu"):
-        backend = selector.BUILDERS[name]()
+    for backend_name in ("torch", name):
+        backend = selector.BUILDERS[backend_name]()
         cache = torch.zeros(2, 21, bs, kvh, d)
         backend.store_kv(k_all, v_all, cache, torch.cat(slots_of))  # every context token, as earlier steps would
         meta = AttentionMetadata(
@@ -107,5 +127,5 @@ def test_cpu_backend_mixes_kernel_rows_and_fresh_prompts(window):
             query_start_loc=starts, query_start_loc_t=torch.tensor(starts, dtype=torch.int32), max_query_len=40,
             seq_lens_list=ctx, num_decodes=2, block_size=bs, backend=backend)
         with torch.inference_mode():
-            outs[name] = backend.forward(q, k_all[step], v_all[step], cache, meta, d ** -0.5, window)
-    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-4, rtol=1e-4)
+            outs[backend_name] = backend.forward(q, k_all[step], v_all[step], cache, meta, d ** -0.5, window)
+    torch.testing.assert_close(outs[name], outs["torch"], atol=1e-4, rtol=1e-4)

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm_kernels.cpu.build import cpu_supported
+
 PERF = Path(__file__).resolve().parents[2] / "perf"
+# Scripts that time our C++ kernels against their torch paths: nothing to compare on a CPU without AVX-512.
+needs_kernels = pytest.mark.skipif(not cpu_supported()[0], reason=cpu_supported()[1])
 
 
 def run(script, *args):
@@ -21,10 +25,10 @@ def run(script, *args):
     ("throughput.py", ["--quick", "--engines", "pagedllm"], "steady_state_tokens_per_s"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
-    ("quantized_linear.py", ["--rows", "1,9"], "fp8_over_bf16"),
+    pytest.param("quantized_linear.py", ["--rows", "1,9"], "fp8_over_bf16", marks=needs_kernels),
     ("parallel_sampling.py", ["--quick"], "speedup_median"),
     ("lora.py", ["--quick"], "ratio_median"),
-    ("lora.py", ["--deltas"], "speedup"),
+    pytest.param("lora.py", ["--deltas"], "speedup", marks=needs_kernels),
     ("moe.py", ["--quick"], "ratio_pagedllm_over_transformers"),
     ("fallback.py", ["--quick"], "ratio_fallback_over_native"),
 ])
@@ -55,3 +59,15 @@ def test_bf16_linear_compares_both_paths():
     assert [r["rows"] for r in records] == [1, 600]
     assert all(r["ours_ms"] > 0 and r["onednn_ms"] > 0 and r["speed_ratio_ours_over_onednn"] > 0 for r in records)
     assert [r["our_kernel_in_use"] for r in records] == [1 <= bf16_tiles.MAX_ROWS, 600 <= bf16_tiles.MAX_ROWS]
+
+
+def test_avx2_kernels_compare_both_paths():
+    from pagedllm_kernels.cpu import avx2_linear
+
+    supported, why = avx2_linear.avx2_supported()
+    if not supported:
+        pytest.skip(why)
+    records = run("avx2_kernels.py", "--rows", "1,9", "--contexts", "2x40", "--passes", "1")
+    assert [(r["bench"], r.get("rows")) for r in records] == [("avx2_linear", 1), ("avx2_linear", 9),
+                                                              ("avx2_decode_attention", 2)]
+    assert all(r["speed_ratio_ours_over_torch"] > 0 for r in records)

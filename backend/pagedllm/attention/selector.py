@@ -34,10 +34,16 @@ def _cpu():
     return CpuAttention()
 
 
-BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "triton": _triton}
+def _avx2():
+    from pagedllm.attention.avx2_backend import Avx2Attention
+
+    return Avx2Attention()
+
+
+BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "avx2": _avx2, "triton": _triton}
 # What `auto` races on each kind of device. On a CPU the Triton kernels run only under Triton's interpreter (a
 # test vehicle, orders of magnitude slower), so they are not candidates there; asked for by name they still run.
-AUTO_CANDIDATES = {"cpu": ("torch", "cpu"), "cuda": ("torch", "triton")}
+AUTO_CANDIDATES = {"cpu": ("torch", "cpu", "avx2"), "cuda": ("torch", "triton")}
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 

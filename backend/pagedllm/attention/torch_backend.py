@@ -10,9 +10,18 @@ from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, as_bytes, is_fp8,
 from pagedllm.attention.metadata import AttentionMetadata
 
 
+def stored_tokens(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Which tokens have a cache slot, or None when all do: decode graphs' padding rows (slot -1) are stored
+    nowhere."""
+    return slot_mapping >= 0 if slot_mapping.numel() and int(slot_mapping.min()) < 0 else None
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             scales: KVScales = UNIT_SCALES) -> None:
+             scales: KVScales = UNIT_SCALES, stored: torch.Tensor | None = None) -> None:
+    """k, v [tokens, KVH, D] into their slots; `stored` (stored_tokens) picks the tokens that have one."""
     kvh, d = k.shape[1], k.shape[2]
+    if stored is not None:
+        k, v, slot_mapping = k[stored], v[stored], slot_mapping[stored]
     if is_fp8(kv_cache):  # torch has no index_copy_ for float8 on CPU: copy the bytes
         as_bytes(kv_cache[0]).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(quantize(k, scales.k)))
         as_bytes(kv_cache[1]).view(-1, kvh, d).index_copy_(0, slot_mapping, as_bytes(quantize(v, scales.v)))
@@ -94,13 +103,15 @@ class TorchAttention:
 
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
-        store_kv(k, v, kv_cache, slot_mapping, scales)
+        store_kv(k, v, kv_cache, slot_mapping, scales, stored_tokens(slot_mapping))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None, softcap: float | None = None,
                 kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         self.softcap = softcap
-        store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        if "torch_stored" not in meta.backend_cache:  # one host sync per step, not per layer
+            meta.backend_cache["torch_stored"] = stored_tokens(meta.slot_mapping)
+        store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales, meta.backend_cache["torch_stored"])
         gather = _Gather(self.ws, kv_cache, kv_scales, q)
         out = torch.empty_like(q)
         nd = meta.num_decodes

@@ -1,6 +1,6 @@
 """Builds (once per machine and source version) and loads the C++ CPU kernels of this directory as one torch
-extension. The module name carries a digest of the sources and the compiler flags, so an edited header is never
-served stale.
+extension (AVX-512), and those of avx2/ as a second one for CPUs without AVX-512. Each module's name carries a
+digest of its sources and compiler flags, so an edited header is never served stale.
 
 Once built, the module is loaded straight from its build directory: no ninja run, no build lock. That matters
 because torch's build takes a lock file that a killed build leaves behind (every later build then waits forever:
@@ -8,7 +8,7 @@ one older than STALE_LOCK_S is removed), and because ninja 1.11 and 1.12+ hash c
 processes finding different ninjas on their PATH (the system's, the venv's) would rebuild the module for each
 other (~50 s each time). When a build is needed, the `ninja` package's own binary is put first on PATH.
 
-scripts/install.sh builds it (`python -m pagedllm_kernels.cpu.build`), so no model load or request pays for it.
+scripts/install.sh builds both where the CPU can run them (`python -m pagedllm_kernels.cpu.build`), so no model load or request pays for it.
 Every process logs which it did: "loaded" (with the path) or "built" (with the time it took).
 """
 
@@ -32,6 +32,8 @@ _NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile",
            "-mamx-bf16", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+_AVX2_NEEDED_FLAGS = ("avx2", "fma")
+_AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
 
 
@@ -79,12 +81,33 @@ def extension():
     ok, why = cpu_supported()
     if not ok:
         raise RuntimeError(why)
+    return _build("pagedllm_cpu", sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h"))),
+                  _CFLAGS)
+
+
+def avx2_supported() -> tuple[bool, str]:
+    """AVX2 with FMA: what the avx2/ kernels need (every x86 CPU of the last decade; AVX-512 ones too)."""
+    missing = [f for f in _AVX2_NEEDED_FLAGS if f not in _cpu_flags()]
+    return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
+
+
+@functools.cache
+def avx2_extension():
+    """The avx2/ kernels' module (built the same way, from their own sources and flags); raises RuntimeError
+    with the reason when this CPU or toolchain cannot have it."""
+    ok, why = avx2_supported()
+    if not ok:
+        raise RuntimeError(why)
+    files = glob.glob(os.path.join(_DIR, "avx2", "*.cpp")) + glob.glob(os.path.join(_DIR, "avx2", "*.h"))
+    return _build("pagedllm_avx2", sorted(files), _AVX2_CFLAGS)
+
+
+def _build(prefix: str, files: list[str], cflags: list[str]):
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    files = sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h")))
     digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files) +
-                            repr((_CFLAGS, _LDFLAGS)).encode()).hexdigest()[:12]
-    name = f"pagedllm_cpu_{digest}"
+                            repr((cflags, _LDFLAGS)).encode()).hexdigest()[:12]
+    name = f"{prefix}_{digest}"
     build_dir = pathlib.Path(_get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     if built.exists() and not (build_dir / "lock").exists():
@@ -96,7 +119,7 @@ def extension():
     logger.warning("C++ CPU kernels: building %s (once per machine and source version; a minute or two)", name)
     start = time.monotonic()
     module = load(name=name, sources=[f for f in files if f.endswith(".cpp")], verbose=False,
-                  extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
+                  extra_cflags=cflags, extra_ldflags=_LDFLAGS)
     logger.warning("C++ CPU kernels: built %s in %.1f s", built, time.monotonic() - start)
     return module
 
@@ -135,3 +158,7 @@ if __name__ == "__main__":  # scripts/install.sh: build now, or say why this mac
         extension()
     except RuntimeError as e:
         logger.warning("C++ CPU kernels: not built (%s); the torch paths will run instead", e)
+    try:
+        avx2_extension()
+    except RuntimeError as e:
+        logger.warning("AVX2 kernels: not built (%s); bf16 linears without oneDNN's bf16 run on torch", e)

@@ -17,6 +17,9 @@ dropped from the result; each real row's result does not depend on them. Padding
 padded to 8 made a 125M layer's linears up to 2.2x slower, compute-bound on the padding (hence the small
 buckets).
 
+Where oneDNN has no bf16 matmul (AVX2 CPUs without AVX-512, whose reorder raises), `pack_linears` hands the
+layers to avx2_linear.py instead.
+
 `pack_linears(model, use_amx=False)` keeps oneDNN packing on AMX hosts too (`EngineConfig.amx_linear`, for A/B
 runs). Only bf16 is swapped: fp32 is
 the path held token-identical to transformers, and oneDNN's packed fp32 path rounds differently from `F.linear`.
@@ -29,6 +32,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm.models.layers.avx2_linear import use_avx2_linears
 from pagedllm.models.layers.linear_race import race_tile_rows
 
 logger = logging.getLogger(__name__)
@@ -56,7 +60,11 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN can pack bf16 weights here: it needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, which an
+    AVX2-only CPU (Zen 3, Haswell to Skylake client parts) lacks; its reorder raises there."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported())
 
 
 def _amx_kernel():
@@ -144,11 +152,12 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
     """Replace every bf16 CPU nn.Linear in `model` by an AmxLinear (where `use_amx` and the host has AMX) or a
-    PackedLinear: a transform over the model, after its weights are loaded. Returns how many were replaced."""
-    if not packing_available():
-        return 0
+    PackedLinear, or where oneDNN has no bf16 matmul (AVX2 CPUs) by an Avx2Linear: a transform over the model,
+    after its weights are loaded. Returns how many were replaced."""
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    if not packing_available():
+        return use_avx2_linears(model, targets)
     amx = _amx_kernel() if targets and use_amx else None
     buffer = amx.WeightBuffer() if amx is not None else None
     tiles = _tiles_kernel() if targets and amx is None else None

@@ -1,0 +1,90 @@
+"""The AVX2 kernels (pagedllm_kernels/cpu/avx2/) against torch references at block-boundary shapes. They run on
+any CPU with AVX2 and FMA, AVX-512 ones included, so every x86 test host checks them."""
+
+import pytest
+import torch
+
+from pagedllm_kernels.cpu import avx2_attention, avx2_linear
+
+pytestmark = pytest.mark.skipif(not avx2_linear.avx2_supported()[0], reason=avx2_linear.avx2_supported()[1])
+
+
+def test_tiles_round_trip_and_refuse_what_they_cannot_hold():
+    w = torch.randn(24, 37).to(torch.bfloat16)
+    tiles = avx2_linear.pack(w)
+    assert tiles.shape == (3, 37, 8) and torch.equal(avx2_linear.unpack(tiles), w)
+    assert not avx2_linear.can_pack(torch.randn(20, 16).to(torch.bfloat16))  # 20 columns: not whole tiles
+    with pytest.raises(ValueError, match="N % 8"):
+        avx2_linear.pack(torch.randn(16, 16))  # fp32
+
+
+# rows: every register block (6) and its tails, several blocks; N: an odd number of tiles (the single-tile tail)
+# and pairs; K: odd (the interleaved runs' tail) and the 125M model's.
+@pytest.mark.parametrize("n,k", [(8, 1), (24, 37), (16, 3), (40, 768), (64, 130)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 64])
+def test_bf16_linear_matches_the_fp32_reference(n, k, rows):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g)
+    tiles = avx2_linear.pack(w)
+    for b in (None, bias):
+        y = avx2_linear.linear(x, tiles, b)
+        exact = x.double() @ w.double().t() + (0 if b is None else b.double())
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+        # fp32 sums rounded once to bf16: within one bf16 rounding (2^-8 relative) of the exact result
+        torch.testing.assert_close(y.double(), exact, rtol=2 ** -8, atol=1e-5 * k)
+
+
+def test_bf16_linear_reads_a_strided_x():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    wide = torch.randn(5, 128).to(torch.bfloat16)
+    x = wide[:, 32:96]  # rows 128 apart
+    tiles = avx2_linear.pack(w)
+    assert torch.equal(avx2_linear.linear(x, tiles), avx2_linear.linear(x.contiguous(), tiles))
+
+
+def _reference_decode(q, kc, vc, tables, lens, scale, window):
+    out = []
+    for i in range(q.shape[0]):
+        n, bs = int(lens[i]), kc.shape[1]
+        pos = torch.arange(n)
+        k, v = kc[tables[i, pos // bs], pos % bs].double(), vc[tables[i, pos // bs], pos % bs].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        if window:
+            s[:, :max(0, n - window)] = float("-inf")
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+# (heads, KV heads, head dim, block size): MHA, GQA 7:1 (Qwen2-0.5B), 4:1 with D=128, MQA with D=8
+@pytest.mark.parametrize("heads,kv_heads,d,bs", [(12, 12, 64, 16), (14, 2, 64, 16), (8, 2, 128, 32), (4, 1, 8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6, 40])
+def test_decode_attention_matches_the_reference(heads, kv_heads, d, bs, dtype, window):
+    g = torch.Generator().manual_seed(heads + d + bs)
+    blocks = 64
+    kc, vc = (torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    # 1 token, inside a block, one past a block, a whole number of blocks, across many blocks
+    lens = torch.tensor([1, 5, bs + 1, 2 * bs, 100, 7, 8 * bs])
+    tables = torch.stack([torch.randperm(blocks - 1, generator=g)[:10] + 1 for _ in lens])
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    out = avx2_attention.decode_attention(q, kc, vc, tables, lens, d ** -0.5, window)
+    ref = _reference_decode(q, kc, vc, tables, lens, d ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_attention_refuses_what_it_cannot_read():
+    q = torch.randn(2, 4, 12)  # head dim 12: not a multiple of 8
+    cache = torch.randn(4, 16, 2, 12)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        avx2_attention.decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
+                                        torch.ones(2, dtype=torch.long), 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        avx2_attention.decode_attention(torch.randn(2, 4, 16).to(torch.bfloat16), torch.randn(4, 16, 2, 16),
+                                        torch.randn(4, 16, 2, 16), torch.zeros(2, 1, dtype=torch.long),
+                                        torch.ones(2, dtype=torch.long), 1.0)
