@@ -8,8 +8,9 @@ one older than STALE_LOCK_S is removed), and because ninja 1.11 and 1.12+ hash c
 processes finding different ninjas on their PATH (the system's, the venv's) would rebuild the module for each
 other (~50 s each time). When a build is needed, the `ninja` package's own binary is put first on PATH.
 
-scripts/install.sh builds both where the CPU can run them (`python -m pagedllm_kernels.cpu.build`), so no model load or request pays for it.
-Every process logs which it did: "loaded" (with the path) or "built" (with the time it took).
+scripts/install.sh builds both where the CPU can run them (`python -m pagedllm_kernels.cpu.build`), so no model
+load or request pays for them. Every process logs which it did: "loaded" (with the path) or "built" (with the
+time it took).
 """
 
 from __future__ import annotations

@@ -3,28 +3,26 @@
 // of 8 output columns ([N/8, K, 8], avx2_linear.py): one 16-byte load per tile and input position widens to the
 // 8 columns' fp32 weights, each broadcast x value feeds 2 tiles, and 6 rows of x share every weight vector
 // (12 fp32 accumulators of the 16 registers). x is widened to fp32 once; sums are fp32, rounded to bf16 once
-// (round to nearest even, as torch's .to(bfloat16)). Measured on the 2-core Zen 3 host over 12 of the 125M
-// model's linears: 1.7x torch's bf16 F.linear at 1 row, 5x at 8, 6.5x at 32 (~110 GFLOP/s from 24 rows on);
-// and faster at every batch up to 2,048 rows than widening the weight to fp32 for MKL's sgemm.
+// (round to nearest even, as torch's .to(bfloat16)). On the 2-core Zen 3 host, over the 125M model's 49 linears
+// (perf/avx2_kernels.py): 1.3x torch's bf16 F.linear at 1 row, 4.7x at 8, 6.5-7x at 32-256 (100-122 GFLOP/s);
+// and faster at every batch up to 2,048 rows than widening the weight to fp32 for MKL's sgemm (12 layers).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #include <optional>
 #include <utility>
 
 namespace {
 
+using pagedllm_avx2::load8;
+
 constexpr int kCols = 8;   // output columns per tile: one register of fp32
 constexpr int kRows = 6;   // rows of x per register block
 constexpr int kTiles = 2;  // tiles per work item: each broadcast of x feeds both
-
-inline __m256 widen8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 
 // 8 fp32 -> 8 bf16, round to nearest even.
 inline __m128i to_bf16_8(__m256 v) {
@@ -39,7 +37,7 @@ struct Args {
   const at::BFloat16* w;  // [n / 8, k, 8]
   const float* bias;  // [n] or null
   at::BFloat16* y;  // [rows, y_stride]
-  int64_t rows, k, n, y_stride;
+  int64_t rows, k, y_stride;
 };
 
 // acc[r * T + t] += w[t] * x[r * k] for r < R, t < T, written out at compile time (fold expressions) so that
@@ -57,7 +55,7 @@ inline void rows_fma(__m256* acc, const __m256* wv, const float* x, int64_t k, s
 template <int R, int T>
 inline void step(__m256* acc, const at::BFloat16* w, const float* x, int64_t k, int64_t i) {
   __m256 wv[T];
-  for (int t = 0; t < T; ++t) wv[t] = widen8(w + (t * k + i) * kCols);
+  for (int t = 0; t < T; ++t) wv[t] = load8(w + (t * k + i) * kCols);
   rows_fma<T>(acc, wv, x + i, k, std::make_index_sequence<R>{});
 }
 // U consecutive positions, each into its own set of sums.
@@ -136,7 +134,7 @@ torch::Tensor avx2_bf16_linear(torch::Tensor x, torch::Tensor w, std::optional<t
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
   torch::Tensor y = torch::empty({x.size(0), n}, x.options());
   const Args a{xf.data_ptr<float>(), w.data_ptr<at::BFloat16>(), bias ? bias->data_ptr<float>() : nullptr,
-               y.data_ptr<at::BFloat16>(), x.size(0), x.size(1), n, n};
+               y.data_ptr<at::BFloat16>(), x.size(0), x.size(1), n};
   const int64_t tiles = w.size(0), items = (tiles + kTiles - 1) / kTiles;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {

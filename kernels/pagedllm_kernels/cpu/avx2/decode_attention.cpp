@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,11 +17,8 @@
 
 namespace {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+using pagedllm_avx2::load8;
+
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -69,7 +67,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
   T* op = out.data_ptr<T>();
   const int64_t chunks = d / 8;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), probs, acc(group * d);
+    std::vector<float> qf(group * d), probs, acc(group * d), sums(group);  // reused by the thread's items
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kvh = item % kv_heads;
       const int64_t len = lens[row], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -110,7 +108,6 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
         }
       });
       // Exact softmax per head (unnormalised here; the sum divides the output).
-      std::vector<float> sums(group);
       for (int64_t g = 0; g < group; ++g) {
         float* p = probs.data() + g * n;
         float top = -std::numeric_limits<float>::infinity();
