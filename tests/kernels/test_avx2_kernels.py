@@ -78,6 +78,27 @@ def test_decode_attention_matches_the_reference(heads, kv_heads, d, bs, dtype, w
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+# Fewer work items (row, KV head) than threads, as many, and more: 1-3 rows, 1-4 threads, 1-5 KV heads.
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("heads,kv_heads", [(12, 4), (15, 5), (14, 2), (4, 1)])
+def test_decode_attention_with_few_rows_and_any_thread_count(rows, threads, heads, kv_heads):
+    g = torch.Generator().manual_seed(rows * 10 + kv_heads)
+    d, bs, blocks = 16, 16, 32
+    kc, vc = (torch.randn(blocks, bs, kv_heads, d, generator=g) for _ in range(2))
+    lens = torch.tensor([37, 3, 70][:rows])
+    tables = torch.stack([torch.randperm(blocks - 1, generator=g)[:5] + 1 for _ in lens])
+    q = torch.randn(rows, heads, d, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = avx2_attention.decode_attention(q, kc, vc, tables, lens, d ** -0.5, None)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), _reference_decode(q, kc, vc, tables, lens, d ** -0.5, None),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_decode_attention_refuses_what_it_cannot_read():
     q = torch.randn(2, 4, 12)  # head dim 12: not a multiple of 8
     cache = torch.randn(4, 16, 2, 12)
