@@ -1,5 +1,5 @@
 """The AVX2 kernels (pagedllm_kernels/cpu/avx2/) against torch references at block-boundary shapes. They run on
-any CPU with AVX2 and FMA, AVX-512 ones included, so every x86 test host checks them."""
+any CPU with AVX2, FMA and F16C, AVX-512 ones included, so every x86 test host checks them."""
 
 import pytest
 import torch
@@ -105,7 +105,28 @@ def test_decode_attention_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         avx2_attention.decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
                                         torch.ones(2, dtype=torch.long), 1.0)
-    with pytest.raises(RuntimeError, match="one dtype"):
+    with pytest.raises(RuntimeError, match="the caches q.s dtype"):
         avx2_attention.decode_attention(torch.randn(2, 4, 16).to(torch.bfloat16), torch.randn(4, 16, 2, 16),
                                         torch.randn(4, 16, 2, 16), torch.zeros(2, 1, dtype=torch.long),
                                         torch.ones(2, dtype=torch.long), 1.0)
+
+
+# The fp8 cache: e4m3 elements with per-tensor K and V scales, q and the output in bf16 or fp32.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.3, 0.7)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_attention_reads_an_fp8_cache(dtype, k_scale, v_scale, window):
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, bs, blocks = 14, 2, 64, 16, 32
+    kc, vc = ((torch.randn(blocks, bs, kv_heads, d, generator=g) * 3 / s).to(torch.float8_e4m3fn)
+              for s in (k_scale, v_scale))
+    kc.view(torch.uint8)[1, 0, 0, :8] = torch.arange(8, dtype=torch.uint8)  # subnormals, in a row's first block
+    lens = torch.tensor([1, bs + 1, 100, 7])
+    tables = torch.stack([torch.randperm(blocks - 1, generator=g)[:8] + 1 for _ in lens])
+    tables[0, 0] = 1
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    out = avx2_attention.decode_attention(q, kc, vc, tables, lens, d ** -0.5, window, k_scale, v_scale)
+    ref = _reference_decode(q, kc.double() * k_scale, vc.double() * v_scale, tables, lens, d ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

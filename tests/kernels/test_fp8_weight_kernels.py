@@ -7,17 +7,10 @@ import torch
 from pagedllm_kernels import fp8_layout
 from pagedllm_kernels.cpu import fp8_linear as cpu
 from pagedllm_kernels.fp8_matmul import fp8_matmul, reference_fp8_matmul
+from quant_weights import FP8
+from quant_weights import fp8_weight as weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP8 = torch.float8_e4m3fn
-
-
-def weight(n, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaNs: checkpoints hold finite values
-    codes[0, :8] = torch.tensor([0x01, 0x07, 0x08, 0x7E, 0x81, 0xFE, 0x00, 0x80], dtype=torch.uint8)
-    return codes.view(FP8), torch.rand(n, generator=g) * 0.1 + 0.01
 
 
 def test_layout_round_trip():

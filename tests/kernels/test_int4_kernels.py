@@ -7,16 +7,9 @@ import torch
 from pagedllm_kernels import int4_layout
 from pagedllm_kernels.cpu import int4_linear as cpu
 from pagedllm_kernels.int4_matmul import int4_matmul, reference_int4_matmul
+from quant_weights import int4_weight as weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def weight(n, k, group, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    scales = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
-    zeros = torch.randint(0, 16, (n, k // group), generator=g)
-    return codes, scales, zeros
 
 
 def test_layout_round_trip():

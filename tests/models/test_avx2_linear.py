@@ -6,17 +6,18 @@ import torch
 from test_oracle import ours
 
 from pagedllm import LLM
-from pagedllm.models.layers.avx2_linear import Avx2Linear, avx2_kernel
+from pagedllm.models.layers.avx2_linear import Avx2Linear
 from pagedllm.models.layers.packed_linear import pack_linears
+from pagedllm_kernels.cpu.build import avx2_module
 
-pytestmark = pytest.mark.skipif(avx2_kernel() is None, reason="the AVX2 kernels cannot run or build here")
+pytestmark = pytest.mark.skipif(avx2_module("avx2_linear") is None, reason="the AVX2 kernels cannot run or build here")
 
 
 def test_the_layer_matches_f_linear_with_and_without_bias():
     torch.manual_seed(0)
     for bias in (False, True):
         linear = torch.nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
-        layer = Avx2Linear(linear, avx2_kernel())
+        layer = Avx2Linear(linear, avx2_module("avx2_linear"))
         x = torch.randn(3, 5, 96).to(torch.bfloat16)  # leading dims kept
         y = layer(x)
         assert y.shape == (3, 5, 40) and y.dtype == torch.bfloat16

@@ -16,6 +16,7 @@ from conftest import assert_all_blocks_free, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
+from pagedllm_kernels.cpu import avx2_attention
 from pagedllm_kernels.cpu import paged_attention as cpu_kernel
 
 LENGTHS = [1, 5, 17, 40, 100, 310, 64, 15, 129]  # the oracle's prompts (tests/models/test_oracle.py)
@@ -151,16 +152,20 @@ def test_a_malformed_kv_scale_is_refused(model_dir, tmp_path):
         LLM(bad, max_model_len=128, kv_cache_dtype="fp8")
 
 
-@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
-def test_cpu_kernel_and_torch_read_the_fp8_cache_alike(model_dir):
-    """Both read the same fp8 values; they differ only in bf16 rounding, so a sequence may part from the
-    other only at a near-tie of the torch backend's top two tokens."""
+@pytest.mark.parametrize("kernel", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.cpu_supported()[0],
+                                                 reason=cpu_kernel.cpu_supported()[1])),
+    pytest.param("avx2", marks=pytest.mark.skipif(not avx2_attention.avx2_supported()[0],
+                                                  reason=avx2_attention.avx2_supported()[1]))])
+def test_cpu_kernels_and_torch_read_the_fp8_cache_alike(model_dir, kernel):
+    """Each reads the same fp8 values as torch; they differ only in bf16 rounding, so a sequence may part from
+    the other only at a near-tie of the torch backend's top two tokens."""
     prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # chunks deep into a long context
     kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
               device="cpu", kv_cache_dtype="fp8")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     outs = []
-    for backend in ("torch", "cpu"):
+    for backend in ("torch", kernel):
         llm = LLM(model_dir("llama"), attention_backend=backend, **kw)
         assert llm.get_stats().attention_backend == backend
         outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,

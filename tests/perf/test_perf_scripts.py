@@ -67,7 +67,13 @@ def test_avx2_kernels_compare_both_paths():
     supported, why = avx2_linear.avx2_supported()
     if not supported:
         pytest.skip(why)
-    records = run("avx2_kernels.py", "--rows", "1,9", "--contexts", "2x40", "--passes", "1")
-    assert [(r["bench"], r.get("rows")) for r in records] == [("avx2_linear", 1), ("avx2_linear", 9),
-                                                              ("avx2_decode_attention", 2)]
-    assert all(r["speed_ratio_ours_over_torch"] > 0 for r in records)
+    records = run("avx2_kernels.py", "--rows", "1,9", "--quantized-rows", "1,9", "--contexts", "2x40", "--passes", "1")
+    assert [(r["bench"], r.get("rows"), r.get("kv_dtype")) for r in records] == [
+        ("avx2_linear", 1, None), ("avx2_linear", 9, None), ("avx2_quantized_linear", 1, None),
+        ("avx2_quantized_linear", 9, None), ("avx2_decode_attention", 2, "bf16"), ("avx2_decode_attention", 2, "fp8")]
+    assert all(r["speed_ratio_ours_over_torch"] > 0 for r in records if "speed_ratio_ours_over_torch" in r)
+    for r in records[2:4]:
+        assert {k for k in r if k.startswith("speed_")} == {
+            "speed_int4_over_bf16", "speed_int4_via_bf16_tiles_over_bf16", "speed_fp8_over_bf16",
+            "speed_fp8_via_bf16_tiles_over_bf16"}
+        assert all(v > 0 for k, v in r.items() if k.startswith("speed_"))

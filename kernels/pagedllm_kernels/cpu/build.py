@@ -33,8 +33,8 @@ _NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mamx-tile",
            "-mamx-bf16", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
-_AVX2_NEEDED_FLAGS = ("avx2", "fma")
-_AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_AVX2_NEEDED_FLAGS = ("avx2", "fma", "f16c")
+_AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
 
 
@@ -87,7 +87,7 @@ def extension():
 
 
 def avx2_supported() -> tuple[bool, str]:
-    """AVX2 with FMA: what the avx2/ kernels need (every x86 CPU of the last decade; AVX-512 ones too)."""
+    """AVX2 with FMA and F16C: what the avx2/ kernels need (every x86 CPU of the last decade; AVX-512 ones too)."""
     missing = [f for f in _AVX2_NEEDED_FLAGS if f not in _cpu_flags()]
     return (False, f"needs CPU features {', '.join(missing)}") if missing else (True, "")
 
@@ -101,6 +101,20 @@ def avx2_extension():
         raise RuntimeError(why)
     files = glob.glob(os.path.join(_DIR, "avx2", "*.cpp")) + glob.glob(os.path.join(_DIR, "avx2", "*.h"))
     return _build("pagedllm_avx2", sorted(files), _AVX2_CFLAGS)
+
+
+@functools.cache
+def avx2_module(name: str):
+    """pagedllm_kernels.cpu.<name> (one of the AVX2 kernels' wrappers) where this CPU can run them and they build,
+    else None (the caller's torch path; a failed build is logged once)."""
+    if not avx2_supported()[0]:
+        return None
+    try:
+        avx2_extension()
+    except Exception as e:  # no compiler, build failure
+        logger.warning("AVX2 kernels unavailable (%s); %s's callers stay on torch", e, name)
+        return None
+    return importlib.import_module(f"pagedllm_kernels.cpu.{name}")
 
 
 def _build(prefix: str, files: list[str], cflags: list[str]):

@@ -13,21 +13,9 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm_kernels.cpu.build import avx2_module
+
 logger = logging.getLogger(__name__)
-
-
-def avx2_kernel():
-    """The AVX2 linear module when this host can run it (and it builds), else None."""
-    try:
-        from pagedllm_kernels.cpu import avx2_linear, build
-
-        if not build.avx2_supported()[0]:
-            return None
-        build.avx2_extension()
-        return avx2_linear
-    except Exception as e:  # no compiler, build failure: torch's bf16 matmul
-        logger.warning("AVX2 bf16 linear kernel unavailable (%s); bf16 linears stay on torch", e)
-        return None
 
 
 class Avx2Linear(nn.Module):
@@ -46,7 +34,7 @@ class Avx2Linear(nn.Module):
 def use_avx2_linears(model: nn.Module, targets: list[tuple[str, nn.Linear]]) -> int:
     """Replace each (name, bf16 CPU nn.Linear) of `targets` in `model` whose shape the kernel takes by an
     Avx2Linear. Returns how many were replaced (0 without the kernel)."""
-    kernel = avx2_kernel() if targets else None
+    kernel = avx2_module("avx2_linear") if targets else None
     if kernel is None:
         return 0
     replaced = 0

@@ -6,7 +6,9 @@ first when the checkpoint says so: at its static input_scale (the largest of a f
 does), or at a dynamic per-tensor or per-token scale (max |x| / 448). Then the matmul, where the weight is
 widened: our Triton kernel on a GPU, our C++ kernel for bf16 on CPU (which has no fp8 arithmetic) at every
 batch size (1.1-1.2x bf16 oneDNN's time on prefill-sized batches, where dequantizing in torch per call cost
-far more: perf/quantized_linear.py), the weight dequantized in torch for fp32 models.
+far more: perf/quantized_linear.py); on CPUs without AVX-512 our AVX2 kernel (the same layout) up to
+AVX2_KERNEL_ROWS rows, above that the weight widened per call into the model's shared buffer as tiles for the
+AVX2 bf16 kernel; the weight dequantized in torch for fp32 models.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Fp8Config
-from pagedllm_kernels.cpu.build import kernel_module
+from pagedllm_kernels.cpu.build import avx2_module, kernel_module
+from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
+AVX2_KERNEL_ROWS = 8  # measured on Zen 3: above this, widening into bf16 tiles once per call wins (perf/avx2_kernels.py)
 
 
 class Fp8Linear(StagedLinear):
@@ -27,8 +31,9 @@ class Fp8Linear(StagedLinear):
         super().__init__(in_features, out_features, output_sizes, bias, names)
         self.config = config
         self.input_scale_value: float | None = None
+        self.buffer: WeightBuffer | None = None
 
-    def finish(self, buffer=None) -> None:
+    def finish(self, buffer: WeightBuffer | None = None) -> None:
         from pagedllm_kernels import fp8_layout
 
         weights, scales, input_scales = [], [], []
@@ -47,6 +52,7 @@ class Fp8Linear(StagedLinear):
                 input_scales.append(float(t["input_scale"].float().reshape(-1).max()))
         packed, col_scales = fp8_layout.pack(torch.cat(weights), torch.cat(scales))
         device = self.take_staged()
+        self.buffer = buffer or WeightBuffer()
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales", col_scales.to(device))
         if input_scales:
@@ -80,9 +86,16 @@ class Fp8Linear(StagedLinear):
             from pagedllm_kernels.fp8_matmul import fp8_matmul
 
             return fp8_matmul(x, self.packed, self.scales, self.bias)
-        kernel = kernel_module("fp8_linear")
-        if x.dtype == torch.bfloat16 and kernel is not None:
+        kernel = kernel_module("fp8_linear") if x.dtype == torch.bfloat16 else None
+        if kernel is not None:
             return kernel.linear(x, self.packed, self.scales, self.bias)
+        avx2 = avx2_module("avx2_quantized") if x.dtype == torch.bfloat16 else None
+        if avx2 is not None:
+            if x.shape[0] <= AVX2_KERNEL_ROWS:
+                return avx2.fp8_linear(x, self.packed, self.scales, self.bias)
+            tiles = self.buffer.view(self.out_features, self.in_features).view(-1, self.in_features, 8)
+            return avx2_module("avx2_linear").linear(x, avx2.fp8_dequantize_tiles(self.packed, self.scales, tiles),
+                                                     self.bias)
         from pagedllm_kernels.fp8_layout import dequantize
 
         return self.dense(x, dequantize(self.packed, self.scales, x.dtype))

@@ -2,10 +2,12 @@
 checkpoint tensors (qweight, qzeros, scales, g_idx; one set per fused shard) through the loader, and `finish`
 turns them into the kernels' layout (pagedllm_kernels/int4_layout.py) once all have arrived.
 
-A step runs where the weight stays packed and is dequantized inside the matmul: our Triton kernel on a GPU, our
-C++ kernel for bf16 on CPU up to CPU_KERNEL_ROWS rows (decodes). Larger CPU batches are compute-bound: their
-weight is dequantized into one buffer the model's layers share, for oneDNN's matmul (one pass over the weight
-per call; the model keeps only the packed copy). fp32 models (the oracle's) dequantize in torch.
+A step runs where the weight stays packed and is dequantized inside the matmul: our Triton kernel on a GPU; on
+CPU for bf16, our AVX512-BF16 kernel up to CPU_KERNEL_ROWS rows (decodes), or on CPUs without AVX-512 our AVX2
+kernel up to AVX2_KERNEL_ROWS. Larger CPU batches are compute-bound: their weight is dequantized into one buffer
+the model's layers share, for oneDNN's matmul (AVX2: as tiles for our AVX2 bf16 kernel, since oneDNN has no bf16
+matmul there); one pass over the weight per call, and the model keeps only the packed copy. fp32 models (the
+oracle's) dequantize in torch.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import torch
 from pagedllm.models.layers.staged_linear import StagedLinear
 from pagedllm.models.quantization.config import Int4Config
 from pagedllm.models.quantization.int4_formats import Int4Weight, group_index, unpack_awq, unpack_gptq
-from pagedllm_kernels.cpu.build import kernel_module
+from pagedllm_kernels.cpu.build import avx2_module, kernel_module
 from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 CPU_KERNEL_ROWS = 64  # measured: above this, dequantize + oneDNN is faster on the 125M shapes (perf/README.md)
+AVX2_KERNEL_ROWS = 8  # measured on Zen 3: above this, dequantize + the AVX2 bf16 kernel (perf/avx2_kernels.py)
 
 
 class Int4Linear(StagedLinear):
@@ -82,12 +85,19 @@ class Int4Linear(StagedLinear):
             from pagedllm_kernels.int4_matmul import int4_matmul
 
             return int4_matmul(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
-        kernel = kernel_module("int4_linear")
-        if x.dtype == torch.bfloat16 and kernel is not None:
+        kernel = kernel_module("int4_linear") if x.dtype == torch.bfloat16 else None
+        if kernel is not None:
             if x.shape[0] <= CPU_KERNEL_ROWS:
                 return kernel.linear(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
             return self.dense(x, kernel.dequantize_into(self.packed, self.scales, self.mins, self.group_size,
                                                         self.buffer.view(self.out_features, self.in_features)))
+        avx2 = avx2_module("avx2_quantized") if x.dtype == torch.bfloat16 else None
+        if avx2 is not None:
+            if x.shape[0] <= AVX2_KERNEL_ROWS:
+                return avx2.int4_linear(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
+            tiles = self.buffer.view(self.out_features, self.in_features).view(-1, self.in_features, 8)
+            tiles = avx2.int4_dequantize_tiles(self.packed, self.scales, self.mins, self.group_size, tiles)
+            return avx2_module("avx2_linear").linear(x, tiles, self.bias)
         from pagedllm_kernels.int4_layout import dequantize
 
         return self.dense(x, dequantize(self.packed, self.scales, self.mins, self.group_size, x.dtype))

@@ -25,7 +25,7 @@ def replace_quantized_linears(model: nn.Module, config: Int4Config | Fp8Config) 
 
 
 def finish_quantized_linears(model: nn.Module) -> None:
-    buffer = WeightBuffer()  # one dequantization buffer for all of the model's int4 layers
+    buffer = WeightBuffer()  # one dequantization buffer for all of the model's int4 and fp8 layers
     for module in model.modules():
         if isinstance(module, StagedLinear):
             module.finish(buffer)

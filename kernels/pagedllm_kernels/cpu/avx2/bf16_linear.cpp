@@ -19,18 +19,11 @@
 namespace {
 
 using pagedllm_avx2::load8;
+using pagedllm_avx2::to_bf16_8;
 
 constexpr int kCols = 8;   // output columns per tile: one register of fp32
 constexpr int kRows = 6;   // rows of x per register block
 constexpr int kTiles = 2;  // tiles per work item: each broadcast of x feeds both
-
-// 8 fp32 -> 8 bf16, round to nearest even.
-inline __m128i to_bf16_8(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 struct Args {
   const float* x;  // [rows, k] fp32

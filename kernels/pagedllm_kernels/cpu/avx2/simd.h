@@ -13,4 +13,27 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+// 8 fp32 -> 8 bf16, round to nearest even (as torch's .to(bfloat16)).
+inline __m128i to_bf16_8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// e4m3 (float8_e4m3fn) elements as fp32 through F16C, exactly but scaled by 2^-8 (callers fold the 256 into a
+// scale they apply anyway). An e4m3 byte s.eeee.mmm shifted left by 7 into a half is s.0eeee.mmm0000000: the
+// same digits with half's exponent bias (15) instead of e4m3's (7), subnormals included; e4m3's NaN (never
+// stored: values are clamped to +-448) would read as 480.
+constexpr float kE4m3Unscale = 256.0f;
+inline __m256i e4m3_as_halves16(__m128i bytes) {  // 16 bytes -> 16 halves
+  const __m256i wide = _mm256_cvtepi8_epi16(bytes);  // sign-extended: bit 15 is the sign
+  return _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+inline __m256 load8_e4m3_div256(const void* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i wide = _mm_cvtepi8_epi16(bytes);
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
+
 }  // namespace pagedllm_avx2
