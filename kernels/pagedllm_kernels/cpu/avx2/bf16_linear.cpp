@@ -119,12 +119,8 @@ void check_tiles(const torch::Tensor& w) {
 
 torch::Tensor avx2_bf16_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias) {
   check_tiles(w);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == w.size(1),
-              "x must be bf16 [rows, K] with the weight's K");
   const int64_t n = w.size(0) * kCols;
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
-                        "bias must be contiguous float32 [N]");
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const torch::Tensor xf = pagedllm_avx2::checked_fp32_rows(x, w.size(1), bias, n);
   torch::Tensor y = torch::empty({x.size(0), n}, x.options());
   const Args a{xf.data_ptr<float>(), w.data_ptr<at::BFloat16>(), bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<at::BFloat16>(), x.size(0), x.size(1), n};

@@ -126,11 +126,7 @@ torch::Tensor avx2_int4_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
                                int64_t group_size, std::optional<torch::Tensor> bias) {
   check_layout(packed, scales, mins, group_size);
   const int64_t n = packed.size(0) * kTile, k = packed.size(1) * 2;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
-              "x must be bf16 [rows, K] with the weight's K");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
-                        "bias must be contiguous float32 [N]");
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const torch::Tensor xf = pagedllm_avx2::checked_fp32_rows(x, k, bias, n);
   torch::Tensor y = torch::empty({x.size(0), n}, x.options());
   const Args a{xf.data_ptr<float>(), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
                bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), x.size(0), k, n, group_size};

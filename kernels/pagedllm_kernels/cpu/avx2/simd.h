@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <optional>
+
 namespace pagedllm_avx2 {
 
 // 8 values as fp32: fp32 loaded as they are, bf16 widened exactly (its bits are fp32's upper half).
@@ -34,6 +36,17 @@ inline __m256 load8_e4m3_div256(const void* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i wide = _mm_cvtepi8_epi16(bytes);
   return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
+
+// The linears' shared input checks: x bf16 [rows, k], bias (if any) contiguous float32 [n]. Returns x widened
+// to fp32, contiguous (each kernel reads it as fp32 rows).
+inline torch::Tensor checked_fp32_rows(const torch::Tensor& x, int64_t k, const std::optional<torch::Tensor>& bias,
+                                       int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == k,
+              "x must be bf16 [rows, K] with the weight's K");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                        "bias must be contiguous float32 [N]");
+  return x.to(at::kFloat).contiguous();
 }
 
 }  // namespace pagedllm_avx2
