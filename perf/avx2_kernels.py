@@ -66,8 +66,8 @@ def quantized_linears(rows_list: list[int], passes: int, torch_paths: bool) -> N
     tiles = [avx2_linear.pack(w) for w in dense]
     int4 = [int4_layout.pack(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // group) * 0.01,
                              torch.randint(0, 16, (n, k // group)), group) for n, k in SHAPES]
-    fp8 = [fp8_layout.pack((w.float() * 2e4).clamp(-448, 448).to(torch.float8_e4m3fn), torch.full((w.shape[0],), 5e-5))
-           for w in dense]
+    fp8 = [fp8_layout.pack((w.float() * 2e4).clamp(-448, 448).to(torch.float8_e4m3fn),
+                           torch.full((w.shape[0],), 5e-5)) for w in dense]
     buffer = torch.empty(max(n * k for n, k in SHAPES), dtype=torch.bfloat16)
 
     def via_tiles(dequantize, x, n, k):
@@ -92,7 +92,8 @@ def quantized_linears(rows_list: list[int], passes: int, torch_paths: bool) -> N
             fns["fp8_torch"] = lambda: [F.linear(xs[k], fp8_layout.dequantize(*p, torch.bfloat16))
                                         for (_, k), p in zip(SHAPES, fp8)]
         t = alternated(fns, passes)
-        emit({"bench": "avx2_quantized_linear", "rows": rows, **{f"{name}_ms": round(1e3 * v, 2) for name, v in t.items()},
+        emit({"bench": "avx2_quantized_linear", "rows": rows,
+              **{f"{name}_ms": round(1e3 * v, 2) for name, v in t.items()},
               **{f"speed_{name}_over_bf16": round(t["bf16"] / v, 2) for name, v in t.items() if name != "bf16"}})
 
 
@@ -117,8 +118,9 @@ def decode_attention(rows: int, context: int, passes: int, kv_dtype: str = "bf16
         fns[name] = (lambda b=backend, m=meta: b.forward(q, k, v, cache, m, HEAD_DIM ** -0.5, None))
     with torch.inference_mode():
         t = alternated(fns, passes)
-    emit({"bench": "avx2_decode_attention", "kv_dtype": kv_dtype, "rows": rows, "context": context, "ours_ms": round(1e3 * t["ours"], 3),
-          "torch_ms": round(1e3 * t["torch"], 3), "speed_ratio_ours_over_torch": round(t["torch"] / t["ours"], 2)})
+    emit({"bench": "avx2_decode_attention", "kv_dtype": kv_dtype, "rows": rows, "context": context,
+          "ours_ms": round(1e3 * t["ours"], 3), "torch_ms": round(1e3 * t["torch"], 3),
+          "speed_ratio_ours_over_torch": round(t["torch"] / t["ours"], 2)})
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
-"""The fp8-weight kernels (C++ on AVX512-BF16 CPUs, Triton under the interpreter or on a GPU) against the torch
-reference: rows around the C++ kernel's row blocks, one and several column tiles, every e4m3 value (subnormals
-and ±448), per-column scales, with and without bias; the layout's round trip."""
+"""The fp8-weight kernels (C++ on AVX512-BF16 CPUs and on AVX2 ones, Triton under the interpreter or on a GPU)
+against the torch reference: rows around the C++ kernels' row blocks, one and several column tiles, every e4m3
+value (subnormals and ±448) in either input of a pair, per-column scales, with and without bias; the layout's
+round trip."""
 
 import pytest
 import torch
 from pagedllm_kernels import fp8_layout
+from pagedllm_kernels.cpu import avx2_quantized as avx2
 from pagedllm_kernels.cpu import fp8_linear as cpu
 from pagedllm_kernels.fp8_matmul import fp8_matmul, reference_fp8_matmul
 from quant_weights import FP8
@@ -23,31 +25,37 @@ def test_layout_round_trip():
 
 
 cpu_ok, cpu_why = cpu.cpu_supported()
+avx2_ok, avx2_why = avx2.avx2_supported()
+# Both CPU kernels read this layout: the AVX512-BF16 one, and the AVX2 one for CPUs without AVX-512.
+CPU_KERNELS = [pytest.param(cpu.linear, marks=pytest.mark.skipif(not cpu_ok, reason=cpu_why), id="avx512"),
+               pytest.param(avx2.fp8_linear, marks=pytest.mark.skipif(not avx2_ok, reason=avx2_why), id="avx2")]
 
 
-@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("linear", CPU_KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])  # around both kernels' row blocks (8; 3)
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 96), (80, 256)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cpu_fp8_linear_matches_the_reference(rows, n, k, with_bias):
+def test_cpu_fp8_linear_matches_the_reference(linear, rows, n, k, with_bias):
     w, s = weight(n, k, seed=rows)
     packed, scales = fp8_layout.pack(w, s)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = torch.randn(n) if with_bias else None
-    got = cpu.linear(x, packed, scales, bias)
+    got = linear(x, packed, scales, bias)
     want = cpu.reference(x, packed, scales, bias)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=1e-2)  # values up to ~400: bf16 ulps
 
 
-@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
-def test_cpu_fp8_reads_every_value_exactly():
+@pytest.mark.parametrize("linear", CPU_KERNELS)
+@pytest.mark.parametrize("hot", [0, 1])  # either input of a pair
+def test_cpu_fp8_reads_every_value_exactly(linear, hot):
     """A one-hot x picks one input row: the output is that row's elements times their scales, exactly."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite values
     w = torch.zeros(256, 2, dtype=torch.uint8)
-    w[:len(codes), 1] = codes
+    w[:len(codes), hot] = codes
     packed, scales = fp8_layout.pack(w.view(FP8), torch.ones(256))
-    x = torch.tensor([[0.0, 1.0]]).to(torch.bfloat16)
-    got = cpu.linear(x, packed, scales)[0, :len(codes)]
+    x = torch.zeros(1, 2).to(torch.bfloat16)
+    x[0, hot] = 1
+    got = linear(x, packed, scales)[0, :len(codes)]
     assert torch.equal(got.float(), codes.view(FP8).float().to(torch.bfloat16).float())
 
 

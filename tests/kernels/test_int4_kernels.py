@@ -1,10 +1,12 @@
-"""The int4 kernels (C++ on AVX512-BF16 CPUs, Triton under the interpreter or on a GPU) against the torch
-reference on the dequantized weight: rows on and around the C++ kernel's row blocks of 8, one and several
-column tiles, group sizes 32/64/128 over several groups, with and without bias; the layout's pack round trip."""
+"""The int4 kernels (C++ on AVX512-BF16 CPUs and on AVX2 ones, Triton under the interpreter or on a GPU) against
+the torch reference on the dequantized weight: rows on and around the C++ kernels' row blocks (8; 4), one and
+several column tiles, group sizes 32/64/128 over several groups, with and without bias; the layout's pack round
+trip."""
 
 import pytest
 import torch
 from pagedllm_kernels import int4_layout
+from pagedllm_kernels.cpu import avx2_quantized as avx2
 from pagedllm_kernels.cpu import int4_linear as cpu
 from pagedllm_kernels.int4_matmul import int4_matmul, reference_int4_matmul
 from quant_weights import int4_weight as weight
@@ -31,18 +33,22 @@ def test_layout_refuses_what_the_kernels_cannot_read(n, k, group):
 
 
 cpu_ok, cpu_why = cpu.cpu_supported()
+avx2_ok, avx2_why = avx2.avx2_supported()
 
 
-@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+# Both CPU kernels read this layout: the AVX512-BF16 one, and the AVX2 one for CPUs without AVX-512.
+@pytest.mark.parametrize("linear", [
+    pytest.param(cpu.linear, marks=pytest.mark.skipif(not cpu_ok, reason=cpu_why), id="avx512"),
+    pytest.param(avx2.int4_linear, marks=pytest.mark.skipif(not avx2_ok, reason=avx2_why), id="avx2")])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64])  # around both kernels' row blocks (8; 4)
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 64), (80, 384, 128)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cpu_int4_linear_matches_the_reference(rows, n, k, group, with_bias):
+def test_cpu_int4_linear_matches_the_reference(linear, rows, n, k, group, with_bias):
     codes, scales, zeros = weight(n, k, group, seed=rows)
     packed, s, m = int4_layout.pack(codes, scales, zeros, group)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = torch.randn(n) if with_bias else None
-    got = cpu.linear(x, packed, s, m, group, bias)
+    got = linear(x, packed, s, m, group, bias)
     want = cpu.reference(x, packed, s, m, group, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # bf16 output: one unit in the last place is 0.4% of the value; fp32 sums in another order

@@ -21,7 +21,7 @@ from pagedllm_kernels.cpu.build import avx2_module, kernel_module
 from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
 
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
-AVX2_KERNEL_ROWS = 8  # measured on Zen 3: above this, widening into bf16 tiles once per call wins (perf/avx2_kernels.py)
+AVX2_KERNEL_ROWS = 8  # measured on Zen 3: above this, widening into bf16 tiles per call wins (perf/avx2_kernels.py)
 
 
 class Fp8Linear(StagedLinear):
@@ -31,9 +31,8 @@ class Fp8Linear(StagedLinear):
         super().__init__(in_features, out_features, output_sizes, bias, names)
         self.config = config
         self.input_scale_value: float | None = None
-        self.buffer: WeightBuffer | None = None
 
-    def finish(self, buffer: WeightBuffer | None = None) -> None:
+    def finish(self, buffer: WeightBuffer) -> None:
         from pagedllm_kernels import fp8_layout
 
         weights, scales, input_scales = [], [], []
@@ -52,7 +51,7 @@ class Fp8Linear(StagedLinear):
                 input_scales.append(float(t["input_scale"].float().reshape(-1).max()))
         packed, col_scales = fp8_layout.pack(torch.cat(weights), torch.cat(scales))
         device = self.take_staged()
-        self.buffer = buffer or WeightBuffer()
+        self.buffer = buffer
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales", col_scales.to(device))
         if input_scales:
@@ -93,9 +92,7 @@ class Fp8Linear(StagedLinear):
         if avx2 is not None:
             if x.shape[0] <= AVX2_KERNEL_ROWS:
                 return avx2.fp8_linear(x, self.packed, self.scales, self.bias)
-            tiles = self.buffer.view(self.out_features, self.in_features).view(-1, self.in_features, 8)
-            return avx2_module("avx2_linear").linear(x, avx2.fp8_dequantize_tiles(self.packed, self.scales, tiles),
-                                                     self.bias)
+            return self.through_avx2_tiles(x, lambda out: avx2.fp8_dequantize_tiles(self.packed, self.scales, out))
         from pagedllm_kernels.fp8_layout import dequantize
 
         return self.dense(x, dequantize(self.packed, self.scales, x.dtype))

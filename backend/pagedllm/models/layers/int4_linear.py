@@ -32,7 +32,6 @@ class Int4Linear(StagedLinear):
         self.config = config
         self.group_size = -1
         self.perm: torch.Tensor | None = None
-        self.buffer: WeightBuffer | None = None
 
     def finish(self, buffer: WeightBuffer) -> None:
         """The staged checkpoint tensors -> the kernels' layout; the placeholders go."""
@@ -95,9 +94,8 @@ class Int4Linear(StagedLinear):
         if avx2 is not None:
             if x.shape[0] <= AVX2_KERNEL_ROWS:
                 return avx2.int4_linear(x, self.packed, self.scales, self.mins, self.group_size, self.bias)
-            tiles = self.buffer.view(self.out_features, self.in_features).view(-1, self.in_features, 8)
-            tiles = avx2.int4_dequantize_tiles(self.packed, self.scales, self.mins, self.group_size, tiles)
-            return avx2_module("avx2_linear").linear(x, tiles, self.bias)
+            return self.through_avx2_tiles(x, lambda out: avx2.int4_dequantize_tiles(
+                self.packed, self.scales, self.mins, self.group_size, out))
         from pagedllm_kernels.int4_layout import dequantize
 
         return self.dense(x, dequantize(self.packed, self.scales, self.mins, self.group_size, x.dtype))

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm_kernels.cpu.build import avx2_module
+from pagedllm_kernels.cpu.weight_buffer import WeightBuffer
+
 
 class StagedLinear(nn.Module):
     ignores_zero_bias = True  # AutoGPTQ writes zero biases for bias-free projections (models/loader.py)
@@ -22,6 +25,7 @@ class StagedLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(0), requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._staged: dict[tuple[str, int | None], torch.Tensor] = {}
+        self.buffer: WeightBuffer | None = None  # the model's shared dequantization buffer, given to `finish`
 
     def load_weight(self, param: nn.Parameter, shard: int | None, ckpt) -> None:
         name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
@@ -31,6 +35,12 @@ class StagedLinear(nn.Module):
     def dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x through a dequantized copy of the weight (the paths without a kernel), with the bias."""
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def through_avx2_tiles(self, x: torch.Tensor, write_tiles) -> torch.Tensor:
+        """x through the AVX2 bf16 kernel (CPUs without AVX-512, larger batches), on the weight that
+        write_tiles(out) writes into the shared buffer as that kernel's bf16 tiles [N/8, K, 8], with the bias."""
+        tiles = write_tiles(self.buffer.view(self.out_features, self.in_features).view(-1, self.in_features, 8))
+        return avx2_module("avx2_linear").linear(x, tiles, self.bias)
 
     def shard_sizes(self) -> list[tuple[int | None, int]]:
         """(shard, its output rows) for each checkpoint projection this layer holds."""
