@@ -140,16 +140,19 @@ async def run_level(server, prompts: list[str], concurrency: int, max_tokens: in
             "client_cpu_cores": round(cpu / wall, 3), "ttft_s": ttft, "itl_s": itl}
 
 
-def sweep(server_class, path: str, levels: list[int], workloads: dict, max_tokens: int, rnd: int) -> list[dict]:
+METRICS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "client_cpu_cores")
+
+
+def sweep(server_class, path: str, levels: list[int], workloads: dict, max_tokens: int, rnd: int):
+    """One server's levels in turn, each yielded as it completes."""
     server = server_class(path)
     try:
         asyncio.run(run_level(server, workloads["warmup"], 8, max_tokens))  # one untimed wave
-        out = []
         for c in levels:
             level = asyncio.run(run_level(server, workloads[c], c, max_tokens))
             emit({"round": rnd, **{k: v for k, v in level.items() if k not in ("ttft_s", "itl_s")}})
-            out.append(level)
-        return out
+            yield level
     finally:
         server.stop()
 
@@ -178,22 +181,29 @@ def main() -> None:
         for server_class in (servers if r % 2 == 0 else servers[::-1]):
             for level in sweep(server_class, path, levels, workloads, max_tokens, r + 1):
                 runs.setdefault((level["engine"], level["concurrency"]), []).append(level)
-    metrics = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-               "client_cpu_cores")
-    summary = []
-    for (engine, c), levels_run in runs.items():
-        row = {"engine": engine, "model": f"llama-{size}", "max_tokens": max_tokens, "concurrency": c,
-               "rounds": len(levels_run), **{m: statistics.median(lv[m] for lv in levels_run) for m in metrics}}
-        summary.append(row)
+                # after every level, so that a run cut short still leaves perf/plots.py what it measured
+                write_samples(summarize(runs, size, max_tokens), runs)
+    for row in summarize(runs, size, max_tokens):
         emit({"median_over_rounds": True, **row})
     if args.with_vllm:
         for c in levels:
             ours, theirs = runs[("pagedllm-triton", c)], runs[("vllm-serve", c)]
             emit({"concurrency": c, **{f"ratio_{m}": round(statistics.median(lv[m] for lv in ours) /
                                                         statistics.median(lv[m] for lv in theirs), 3)
-                                       for m in metrics if m != "client_cpu_cores"}})
+                                       for m in METRICS if m != "client_cpu_cores"}})
+
+
+def summarize(runs: dict[tuple[str, int], list[dict]], size: str, max_tokens: int) -> list[dict]:
+    """Per engine and concurrency, the median of each metric over the rounds run so far."""
+    return [{"engine": engine, "model": f"llama-{size}", "max_tokens": max_tokens, "concurrency": c,
+             "rounds": len(levels_run), **{m: statistics.median(lv[m] for lv in levels_run) for m in METRICS}}
+            for (engine, c), levels_run in runs.items()]
+
+
+def write_samples(summary: list[dict], runs: dict[tuple[str, int], list[dict]]) -> None:
+    """perf/plots.py's input: the summary, and each engine's latest round of per-request latencies."""
     os.makedirs(OUT_DIR, exist_ok=True)
-    with open(os.path.join(OUT_DIR, "serving_samples.json"), "w") as f:  # for perf/plots.py
+    with open(os.path.join(OUT_DIR, "serving_samples.json"), "w") as f:
         json.dump({"summary": summary, "samples": [{k: lv[k] for k in ("engine", "concurrency", "ttft_s", "itl_s")}
                                                    for lv in (v[-1] for v in runs.values())]}, f)
 

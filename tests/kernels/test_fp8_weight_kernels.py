@@ -72,14 +72,34 @@ def test_triton_fp8_matmul_matches_the_reference(dtype, rows, n, k):
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=tol * 10, rtol=tol)
 
 
-@pytest.mark.skipif(not cpu_ok, reason=cpu_why)
+ROUNDERS = [pytest.param(cpu.round_input, marks=pytest.mark.skipif(not cpu_ok, reason=cpu_why), id="avx512"),
+            pytest.param(avx2.fp8_round_input, marks=pytest.mark.skipif(not avx2_ok, reason=avx2_why), id="avx2")]
+
+
+@pytest.mark.parametrize("round_input", ROUNDERS)
 @pytest.mark.parametrize("mode", ["static", "dynamic", "dynamic_token"])
-def test_cpu_fp8_input_rounding_matches_torch(mode):
+def test_cpu_fp8_input_rounding_matches_torch(round_input, mode):
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(9, 96, generator=g) * torch.logspace(-3, 1, 96)).to(torch.bfloat16)
     x[3] = 0  # an all-zero row
     static = 0.01 if mode == "static" else None  # clamps the largest values at 4.48
-    got = cpu.round_input(x, static, mode == "dynamic_token")
+    got = round_input(x, static, mode == "dynamic_token")
     want = cpu.reference_round_input(x, static, mode == "dynamic_token")
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)  # one bf16 rounding of value * scale
     assert not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("round_input", ROUNDERS)
+def test_cpu_fp8_input_rounding_hits_every_value(round_input):
+    """At scale 1, every finite e4m3 value, the midpoints between neighbours (ties to even), values just off
+    them, and magnitudes past 448 round exactly as torch's cast does."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8).view(FP8).float()
+    values = codes.sort().values
+    mids = ((values[1:] + values[:-1]) / 2).to(torch.bfloat16)  # exact: e4m3 has 3 mantissa bits, bf16 7
+    off = [(mids.view(torch.int16) + d).view(torch.bfloat16) for d in (-1, 1)]  # the bf16 neighbours
+    off = [o[o.isfinite()] for o in off]  # 0's neighbour below, bits 0xFFFF, is a NaN
+    x = torch.cat([values.to(torch.bfloat16), mids, *off, torch.tensor([500.0, -1e4, 449.0]).to(torch.bfloat16)])
+    x = torch.cat([x, x.new_zeros(-x.numel() % 32)]).reshape(1, -1)
+    got = round_input(x, 1.0, False)
+    want = cpu.reference_round_input(x, 1.0, False)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -96,3 +96,33 @@ def test_activation_scales_are_honoured(checkpoints):
             x.abs().amax(-1, keepdim=True) if activations == "dynamic_token" else x.abs().amax()) / 448
         grid = xq / scale  # on e4m3's grid
         torch.testing.assert_close(grid.to(torch.float8_e4m3fn).float(), grid, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "torch"])
+def test_bf16_input_rounding_takes_each_cpu_path_alike(checkpoints, monkeypatch, path):
+    """In bf16 a layer rounds its inputs in C++ (the AVX-512 kernel, or the AVX2 one where AVX-512 is missing),
+    else in torch; the three agree to one bf16 rounding. A path the CPU cannot run is skipped."""
+    from pagedllm_kernels.cpu import avx2_quantized, build, fp8_linear
+
+    if path == "avx512" and build.kernel_module("fp8_linear") is None:
+        pytest.skip("the AVX-512 fp8 kernel cannot run on this CPU")
+    if path == "avx2" and build.avx2_module("avx2_quantized") is None:
+        pytest.skip("the AVX2 kernels cannot run on this CPU")
+    calls = []
+    for module, attr, name in ((fp8_linear, "round_input", "avx512"),
+                               (avx2_quantized, "fp8_round_input", "avx2")):
+        real = getattr(module, attr)
+        monkeypatch.setattr(module, attr, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    if path != "avx512":  # what a CPU without AVX-512 sees
+        monkeypatch.setattr("pagedllm.models.layers.fp8_linear.kernel_module", lambda name: None)
+    if path == "torch":
+        monkeypatch.setattr("pagedllm.models.layers.fp8_linear.avx2_module", lambda name: None)
+    for activations in ("static", "dynamic", "dynamic_token"):
+        quantized, _ = checkpoints("llama", "compressed-tensors", "tensor", activations)
+        llm = LLM(quantized, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=4 << 20)
+        layer = next(m for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear))
+        x = (torch.randn(7, layer.in_features) * 3).to(torch.bfloat16)
+        scale = layer.input_scale_value if activations == "static" else None
+        want = fp8_linear.reference_round_input(x, scale, activations == "dynamic_token")
+        torch.testing.assert_close(layer.quantize_input(x).float(), want.float(), atol=0, rtol=8e-3)
+    assert calls == ([] if path == "torch" else [path] * 3)

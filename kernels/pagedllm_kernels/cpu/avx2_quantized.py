@@ -1,7 +1,7 @@
 """Quantized weight linears on CPUs with AVX2 but no AVX-512 (avx2/int4_linear.cpp, avx2/fp8_linear.cpp), on the
 layouts every CPU kernel reads (int4_layout.py, fp8_layout.py), so a layer keeps one copy whichever CPU loads it.
 Each also has a `*_dequantize_tiles`: the weight as avx2_linear.py's bf16 tiles, for larger batches to run the
-bf16 kernel on (one pass over the weight per call)."""
+bf16 kernel on (one pass over the weight per call). And an fp8 checkpoint's activation rounding, in one pass."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from pagedllm_kernels.cpu.build import avx2_extension, avx2_supported
 
-__all__ = ["avx2_supported", "int4_linear", "int4_dequantize_tiles", "fp8_linear", "fp8_dequantize_tiles"]
+__all__ = ["avx2_supported", "int4_linear", "int4_dequantize_tiles", "fp8_linear", "fp8_dequantize_tiles",
+           "fp8_round_input"]
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -40,3 +41,10 @@ def fp8_dequantize_tiles(packed, scales, out: torch.Tensor) -> torch.Tensor:
     """The weight (element * its column's scale) into out, bf16 [N/8, K, 8] (avx2_linear.py's tiles)."""
     avx2_extension().fp8_dequantize_tiles(packed, scales.reshape(-1), out)
     return out
+
+
+def fp8_round_input(x: torch.Tensor, static_scale: float | None = None, per_token: bool = False) -> torch.Tensor:
+    """x bf16 [rows, K] (K a multiple of 8) rounded to e4m3 and back, at static_scale, or at max |x| / 448 over
+    each row (per_token) or over all of x: one pass, where torch takes about nine ops (fp8_linear.round_input's
+    AVX2 twin)."""
+    return avx2_extension().fp8_round_input(x if x.stride(1) == 1 else x.contiguous(), static_scale or 0.0, per_token)

@@ -3,12 +3,12 @@
 The weight stays in fp8, in the kernels' layout (pagedllm_kernels/fp8_layout.py), with one scale per output
 column (a per-tensor scale, or each fused shard's, repeated over its columns). Activations are rounded to e4m3
 first when the checkpoint says so: at its static input_scale (the largest of a fused layer's shards, as vLLM
-does), or at a dynamic per-tensor or per-token scale (max |x| / 448). Then the matmul, where the weight is
-widened: our Triton kernel on a GPU, our C++ kernel for bf16 on CPU (which has no fp8 arithmetic) at every
-batch size (1.1-1.2x bf16 oneDNN's time on prefill-sized batches, where dequantizing in torch per call cost
-far more: perf/quantized_linear.py); on CPUs without AVX-512 our AVX2 kernel (the same layout) up to
-AVX2_KERNEL_ROWS rows, above that the weight widened per call into the model's shared buffer as tiles for the
-AVX2 bf16 kernel; the weight dequantized in torch for fp32 models.
+does), or at a dynamic per-tensor or per-token scale (max |x| / 448), by a C++ kernel on CPUs (AVX-512 or
+AVX2). Then the matmul, where the weight is widened: our Triton kernel on a GPU, our C++ kernel for bf16 on CPU
+(which has no fp8 arithmetic) at every batch size (1.1-1.2x bf16 oneDNN's time on prefill-sized batches,
+where dequantizing in torch per call cost far more: perf/quantized_linear.py); on CPUs without AVX-512 our AVX2
+kernel (the same layout) up to AVX2_KERNEL_ROWS rows, above that the weight widened per call into the model's
+shared buffer as tiles for the AVX2 bf16 kernel; the weight dequantized in torch for fp32 models.
 """
 
 from __future__ import annotations
@@ -63,10 +63,14 @@ class Fp8Linear(StagedLinear):
         mode = self.config.activations
         if mode is None:
             return x
-        kernel = None if x.is_cuda else kernel_module("fp8_linear")
-        if kernel is not None and x.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0:
-            return kernel.round_input(x, self.input_scale_value if mode == "static" else None,
-                                      mode == "dynamic_token")
+        static, per_token = (self.input_scale_value if mode == "static" else None), mode == "dynamic_token"
+        if not x.is_cuda and x.dtype == torch.bfloat16:  # one pass in C++, where torch takes about nine ops
+            kernel = kernel_module("fp8_linear")
+            if kernel is not None and x.shape[-1] % 32 == 0:
+                return kernel.round_input(x, static, per_token)
+            avx2 = avx2_module("avx2_quantized")
+            if avx2 is not None and x.shape[-1] % 8 == 0:
+                return avx2.fp8_round_input(x, static, per_token)
         if mode == "static":
             scale = self.input_scale
         else:

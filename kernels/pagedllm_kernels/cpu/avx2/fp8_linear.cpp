@@ -13,8 +13,10 @@
 #include "ops.h"
 #include "simd.h"
 
+#include <algorithm>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -153,4 +155,59 @@ void avx2_fp8_dequantize_tiles(torch::Tensor packed, torch::Tensor scales, torch
       }
     }
   });
+}
+
+namespace {
+
+// v rounded to the nearest e4m3 value (ties to even), clamped to +-448, as fp32 (every e4m3 value is one):
+// normal magnitudes (>= 2^-6) keep 3 mantissa bits, subnormal ones become multiples of 2^-9.
+inline __m256 round_to_e4m3(__m256 v) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign_bit, v), _mm256_set1_ps(448.0f));
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~0xFFFFF)));
+  const __m256 sub = _mm256_mul_ps(
+      _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm256_set1_ps(1.0f / 512.0f));
+  const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, small), _mm256_and_ps(v, sign_bit));
+}
+
+float row_amax(const at::BFloat16* x, int64_t k) {
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8)
+    m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), pagedllm_avx2::load8(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+}  // namespace
+
+torch::Tensor avx2_fp8_round_input(torch::Tensor x, double static_scale, bool per_token) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 8 == 0,
+              "x must be bfloat16 [rows, K] with contiguous rows, K a multiple of 8");
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
+  torch::Tensor out = torch::empty({rows, k}, x.options());
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  std::vector<float> scales(rows, static_cast<float>(static_scale));
+  if (static_scale <= 0) {
+    for (int64_t m = 0; m < rows; ++m) scales[m] = std::max(row_amax(xp + m * stride, k) / 448.0f, 1e-12f);
+    if (!per_token && rows > 0)
+      std::fill(scales.begin(), scales.end(), *std::max_element(scales.begin(), scales.end()));
+  }
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const __m256 sc = _mm256_set1_ps(scales[m]);  // x / scale divided, as torch does (not times 1 / scale)
+      for (int64_t i = 0; i < k; i += 8) {
+        const __m256 q = round_to_e4m3(_mm256_div_ps(pagedllm_avx2::load8(xp + m * stride + i), sc));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(op + m * k + i),
+                         pagedllm_avx2::to_bf16_8(_mm256_mul_ps(q, sc)));
+      }
+    }
+  });
+  return out;
 }

@@ -18,6 +18,9 @@ void avx2_int4_dequantize_tiles(torch::Tensor packed, torch::Tensor scales, torc
 torch::Tensor avx2_fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               std::optional<torch::Tensor> bias);
 void avx2_fp8_dequantize_tiles(torch::Tensor packed, torch::Tensor scales, torch::Tensor out);
+// fp8_linear.cpp: x rounded to e4m3 and back (an fp8 checkpoint's activations) at static_scale when > 0, else
+// at max |x| / 448 over each row (per_token) or over all of x.
+torch::Tensor avx2_fp8_round_input(torch::Tensor x, double static_scale, bool per_token);
 // decode_attention.cpp: one query token per row over its context (seq_lens), through the block tables, in the
 // torch backend's cache layout (q's dtype, or e4m3 with per-tensor k_scale and v_scale); window > 0 keeps only
 // the last `window` positions.
