@@ -77,3 +77,11 @@ def test_avx2_kernels_compare_both_paths():
             "speed_int4_over_bf16", "speed_int4_via_bf16_tiles_over_bf16", "speed_fp8_over_bf16",
             "speed_fp8_via_bf16_tiles_over_bf16"}
         assert all(v > 0 for k, v in r.items() if k.startswith("speed_"))
+
+
+@needs_kernels
+def test_decode_attention_reports_bandwidth():
+    records = run("decode_attention.py", "--shapes", "2x40,3x100", "--passes", "1")
+    assert records[0]["bench"] == "read_bandwidth" and records[0]["gb_per_s"] > 0
+    assert [(r["rows"], r["max_context"]) for r in records[1:]] == [(2, 40), (3, 100)]
+    assert all(r["ours_ms"] > 0 and 0 < r["ours_share_of_read_bandwidth"] for r in records[1:])

@@ -1,0 +1,124 @@
+"""Decode attention on CPU as a serving step sees it: one query token per row over its paged context, 12 layers'
+caches in turn (so each call streams its K/V from memory, not from the last level cache), the 125M model's
+shapes (12 heads, 4 KV heads of 64, bf16, block size 16, blocks scattered). Per (rows x longest context): ms per
+layer call and GB/s of K/V read, against this host's streaming read bandwidth measured in the same run.
+
+    .venv/bin/python perf/decode_attention.py [--shapes 64x400,32x600,8x1024,4x2048] [--passes 7]
+    .venv/bin/python perf/decode_attention.py --against OLD/paged_attention.cpp   # A/B: that source, alternated
+
+--against builds another version of kernels/pagedllm_kernels/cpu/paged_attention.cpp (say, `git show
+REV:kernels/pagedllm_kernels/cpu/paged_attention.cpp > /tmp/old.cpp`) as an extension of its own and alternates
+the two call by call on the same caches; the ratio is old time / our time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+
+import torch
+
+from common import emit
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 12, 4, 64, 16
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
+
+
+def read_bandwidth(gib: float = 0.5) -> float:
+    """Bytes/s of a streaming read (a max over a large int32 tensor), the best of 5."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.int32)
+    torch.max(x)
+    best = min(_timed(lambda: torch.max(x)) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def build_other(source: str):
+    """`source` (a paged_attention.cpp) built as an extension of its own, beside our headers."""
+    from torch.utils.cpp_extension import load
+
+    from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-attn-"))
+    bindings = work / "bindings.cpp"
+    bindings.write_text('#include <torch/extension.h>\n#include "ops.h"\n'
+                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }\n')
+    digest = hashlib.sha256(pathlib.Path(source).read_bytes()).hexdigest()[:10]
+    return load(name=f"pagedllm_attn_other_{digest}", sources=[os.path.abspath(source), str(bindings)],
+                extra_include_paths=[str(KERNELS)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS).paged_attention
+
+
+def caches_for(rows: int, ctx: int, seed: int = 0):
+    """Per layer a K and a V cache in the kernels' layout (random values), one block table for all layers
+    (blocks scattered), each row's context length drawn from [ctx / 2, ctx], and the rows' queries."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = -(-ctx // BLOCK)
+    blocks = rows * per_row + 1  # block 0 is the engine's null block
+    caches = [torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+              for _ in range(2 * LAYERS)]
+    tables = (torch.randperm(blocks - 1, generator=g) + 1).reshape(rows, per_row)
+    lens = torch.randint(ctx // 2, ctx + 1, (rows,), generator=g)
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    return q, caches, tables, lens, torch.arange(rows + 1)
+
+
+def one_pass(fn, q, caches, tables, lens, starts) -> float:
+    """Seconds per layer call, over the 12 layers' caches in turn."""
+    t0 = time.perf_counter()
+    for layer in range(LAYERS):
+        fn(q, caches[2 * layer], caches[2 * layer + 1], tables, lens, starts, HEAD_DIM ** -0.5, 0, 1.0, 1.0)
+    return (time.perf_counter() - t0) / LAYERS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="64x400,32x600,8x1024,4x2048", help="rows x longest context, comma-separated")
+    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--against", default=None, help="another paged_attention.cpp to alternate with ours")
+    args = ap.parse_args()
+    from pagedllm_kernels.cpu.build import cpu_supported, extension
+
+    ok, why = cpu_supported()
+    if not ok:
+        raise SystemExit(f"the AVX-512 kernels cannot run here: {why}")
+    kernels = {"ours": extension().paged_attention}
+    if args.against:
+        kernels["other"] = build_other(args.against)
+    peak = read_bandwidth()
+    emit({"bench": "read_bandwidth", "gb_per_s": round(peak / 1e9, 1)})
+    for shape in args.shapes.split(","):
+        rows, ctx = (int(v) for v in shape.split("x"))
+        q, caches, tables, lens, starts = caches_for(rows, ctx)
+        outs = {name: fn(q, caches[0], caches[1], tables, lens, starts, HEAD_DIM ** -0.5, 0, 1.0, 1.0)
+                for name, fn in kernels.items()}
+        if "other" in outs:  # the same arithmetic in the same order: equal outputs
+            torch.testing.assert_close(outs["other"].float(), outs["ours"].float(), atol=1e-2, rtol=1e-2)
+        times = {name: [] for name in kernels}
+        for _ in range(args.passes):
+            for name, fn in kernels.items():
+                times[name].append(one_pass(fn, q, caches, tables, lens, starts))
+        kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
+        row = {"rows": rows, "max_context": ctx}
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            row[f"{name}_ms"] = round(1000 * t, 3)
+            row[f"{name}_gb_per_s"] = round(kv_bytes / t / 1e9, 1)
+        row["ours_share_of_read_bandwidth"] = round(kv_bytes / statistics.median(times["ours"]) / peak, 3)
+        if "other" in times:
+            row["speed_ratio_ours_over_other"] = round(statistics.median(times["other"]) /
+                                                       statistics.median(times["ours"]), 3)
+        emit(row)
+
+
+if __name__ == "__main__":
+    main()
