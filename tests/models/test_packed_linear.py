@@ -16,8 +16,10 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN packing 
 
 def test_row_counts_fall_into_few_buckets():
     buckets = {bucket_rows(m) for m in range(1, 2049)}
-    assert len(buckets) == 3 + 8 + 31  # 1, 2, 4; multiples of 8 up to 64; of 64 from 128 to 2048
-    assert all(bucket_rows(m) >= m and bucket_rows(m) - m < (8 if m <= 64 else 64) for m in range(1, 2049))
+    assert len(buckets) == 3 + 8 + 28 + 24  # 1, 2, 4; multiples of 8 up to 64, of 16 up to 512, of 64 to 2048
+    for m in range(1, 2049):
+        waste = bucket_rows(m) - m
+        assert 0 <= waste < (8 if m <= 64 else 16 if m <= 512 else 64), m
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -12,10 +12,14 @@
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
 0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
 hundreds of MiB before they filled (perf/soak.py). So the rows oneDNN sees are rounded up to a few dozen
-sizes (`bucket_rows`: 1, 2, 4, 8, then multiples of 8 up to 64 and of 64 above), padded with zero rows that are
-dropped from the result; each real row's result does not depend on them. Padding is not free: one decode row
-padded to 8 made a 125M layer's linears up to 2.2x slower, compute-bound on the padding (hence the small
-buckets).
+sizes (`bucket_rows`: 1, 2, 4, 8, then multiples of 8 up to 64, of 16 up to 512 and of 64 above: 63 sizes up to
+2,048), padded with zero rows that are dropped from the result; each real row's result does not depend on them.
+Padding is not free: oneDNN's time grows with the rows it is given (Zen 5, the 125M model's 48 decoder linears:
+147 rows 24.8 ms, 160 rows 26.4, 192 rows 31.2), so one decode row padded to 8 made a 125M layer's linears up to
+2.2x slower, and a 147-token prompt padded to 192 (multiples of 64, as above 64 rows until session 19) spent 26%
+longer in its linears than at its own size. Each size costs a primitive per weight shape: every row count from 9 to
+2,048 through the 125M model's five linear shapes grew a process by 306 MiB with the 42 sizes before, 369 MiB
+with these 63 (both far below the caches' 1,024 entries, where growth would stop).
 
 Where oneDNN has no bf16 matmul (AVX2 CPUs without AVX-512, whose reorder raises), `pack_linears` hands the
 layers to avx2_linear.py instead.
@@ -44,7 +48,7 @@ def bucket_rows(rows: int) -> int:
     """The row count a batch of `rows` is padded to before oneDNN sees it (see the module's docstring)."""
     if rows <= 8:  # 1, 2, 4, 8: a decode of 1 row padded to 8 took up to 2.2x as long per layer (measured)
         return 1 << (rows - 1).bit_length()
-    step = 8 if rows <= 64 else 64
+    step = 8 if rows <= 64 else 16 if rows <= 512 else 64
     return -(-rows // step) * step
 
 
