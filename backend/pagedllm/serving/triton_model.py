@@ -21,10 +21,10 @@ control to unload is no probe: the stub's handling of that refusal was seen to c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -38,6 +38,7 @@ from pagedllm.engine.engine import LLMEngine
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.models.checkpoint import load_tokenizer
+from pagedllm.serving.cancellation import due_for_asking
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.multi_lora import with_multi_lora
@@ -50,9 +51,9 @@ logger = logging.getLogger("pagedllm.serving")
 
 ENGINE_ARGS_FILE = "engine.json"
 CANCEL_SWEEP_S = 0.02  # how often the response thread sweeps in-flight requests for client cancellation
-# Each request is asked at least this often; a sweep asks only its share of them, in turn. Every ask is an IPC
-# round trip to tritonserver: asking all 64 in flight every 20 ms kept a third core's worth of work running
-# beside the forward pass on a 2-core host (measured with py-spy), which OpenMP's threads pay for.
+# Each request is asked at least this often; a sweep asks only its share of them (serving/cancellation.py).
+# Every ask is an IPC round trip to tritonserver: asking all 64 in flight every 20 ms kept a third core's worth
+# of work running beside the forward pass on a 2-core host (measured with py-spy), which OpenMP's threads pay for.
 CANCEL_CHECK_PERIOD_S = 0.2
 # A config parameter this model sets on itself when it reloads after an engine failure: the restarts so far.
 RESTARTS_PARAMETER = "pagedllm_engine_restarts"
@@ -66,6 +67,7 @@ class _InFlight:
     builder: ResponseBuilder
     triton_id: str
     cancelled: bool = False
+    asked_at: float = dataclasses.field(default_factory=time.monotonic)  # last asked whether it was cancelled
 
 
 class TritonPythonModel:
@@ -89,7 +91,6 @@ class TritonPythonModel:
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
         self.num_rejected = 0
         self.num_cancelled = 0
-        self.sweep_cursor = 0  # where the next cancellation sweep starts among the in-flight requests
         self.reloader: threading.Thread | None = None
         self.metrics = None
         self.loop = EngineLoop(self._build_engine, self._on_output, on_dead=self._on_engine_dead,
@@ -244,8 +245,9 @@ class TritonPythonModel:
             if stop:
                 return
             if time.monotonic() - last_sweep >= CANCEL_SWEEP_S:
-                self._sweep_cancellations()
-                last_sweep = time.monotonic()
+                now = time.monotonic()
+                self._sweep_cancellations(now - last_sweep)
+                last_sweep = now
 
     def _drain(self) -> list:
         """Everything queued (waiting up to one sweep interval for the first item)."""
@@ -297,15 +299,14 @@ class TritonPythonModel:
         else:
             state.channel.send(response, final=True)
 
-    def _sweep_cancellations(self) -> None:
+    def _sweep_cancellations(self, since_last_sweep_s: float) -> None:
         with self.lock:
-            live = [(rid, s) for rid, s in self.inflight.items() if not s.cancelled]
-        if not live:
-            return
-        share = math.ceil(len(live) * CANCEL_SWEEP_S / CANCEL_CHECK_PERIOD_S)  # 1 per sweep up to 10 in flight
-        start = self.sweep_cursor % len(live)
-        self.sweep_cursor = start + share
-        for rid, state in (live[start:] + live[:start])[:share]:
+            live = {rid: s for rid, s in self.inflight.items() if not s.cancelled}
+        now = time.monotonic()
+        for rid in due_for_asking({rid: s.asked_at for rid, s in live.items()}, since_last_sweep_s,
+                                  CANCEL_CHECK_PERIOD_S):
+            state = live[rid]
+            state.asked_at = now
             if state.channel.is_cancelled():  # False once its final response went out
                 state.cancelled = True
                 self.num_cancelled += 1
