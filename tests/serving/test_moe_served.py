@@ -23,13 +23,18 @@ def test_mixtral_served_and_its_expert_load_exported(tmp_path):
         text, err = grpc_call(server, grpc_inputs("def main():", params, stream=True))
         assert err is None and text == want.outputs[0].text
         computed = len(want.prompt_token_ids) + 7  # the prompt, then 7 decodes
-        m = server.wait_metrics(lambda m: sum(v for k, v in m.items() if k.startswith(
-            'pagedllm:moe_expert_tokens_total{expert="') and 'layer="0"' in k) == 2 * computed)
-        per_layer = {}
-        for key, value in m.items():
-            if key.startswith("pagedllm:moe_expert_tokens_total"):
-                layer = key.split('layer="')[1].split('"')[0]
-                per_layer[layer] = per_layer.get(layer, 0) + value
-        assert per_layer == {"0": 2 * computed, "1": 2 * computed}
+        # One publish increments the counters one by one: a scrape can fall between two layers' increments, so
+        # wait for every layer's count (a count that never arrives, or overshoots, still fails).
+        m = server.wait_metrics(lambda m: expert_tokens_per_layer(m) == {"0": 2 * computed, "1": 2 * computed})
+        assert expert_tokens_per_layer(m) == {"0": 2 * computed, "1": 2 * computed}
     finally:
         triton_server.stop(server)
+
+
+def expert_tokens_per_layer(m: dict[str, float]) -> dict[str, float]:
+    per_layer: dict[str, float] = {}
+    for key, value in m.items():
+        if key.startswith("pagedllm:moe_expert_tokens_total"):
+            layer = key.split('layer="')[1].split('"')[0]
+            per_layer[layer] = per_layer.get(layer, 0) + value
+    return per_layer
