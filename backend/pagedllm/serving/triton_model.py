@@ -244,9 +244,9 @@ class TritonPythonModel:
                     logger.exception("failed to send a response for %s", item[0])
             if stop:
                 return
-            if time.monotonic() - last_sweep >= CANCEL_SWEEP_S:
-                now = time.monotonic()
-                self._sweep_cancellations(now - last_sweep)
+            now = time.monotonic()
+            if now - last_sweep >= CANCEL_SWEEP_S:
+                self._sweep_cancellations(now, now - last_sweep)
                 last_sweep = now
 
     def _drain(self) -> list:
@@ -299,10 +299,9 @@ class TritonPythonModel:
         else:
             state.channel.send(response, final=True)
 
-    def _sweep_cancellations(self, since_last_sweep_s: float) -> None:
+    def _sweep_cancellations(self, now: float, since_last_sweep_s: float) -> None:
         with self.lock:
             live = {rid: s for rid, s in self.inflight.items() if not s.cancelled}
-        now = time.monotonic()
         for rid in due_for_asking({rid: s.asked_at for rid, s in live.items()}, since_last_sweep_s,
                                   CANCEL_CHECK_PERIOD_S):
             state = live[rid]
