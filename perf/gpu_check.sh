@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, for a CUDA machine (e.g. the device tool's H200; about 8 minutes): the kernel, backend,
-# KV-budget and decode CUDA-graph tests on the GPU, then perf/gpu_bench.py (decode with graphs and eager),
+# The GPU check, for a CUDA machine (e.g. the device tool's H200; about 7 minutes): the kernel, backend,
+# KV-budget, fp8 tensor-core and decode CUDA-graph tests on the GPU, then perf/gpu_bench.py (decode of bf16 with
+# graphs and eager, fp8 KV, fp8 W8A8 and int4 AWQ, and a batch-1 step's anatomy),
 # then the served benchmark through tritonserver (where
 # the machine has the nvidia-pytriton wheel), then (2+ GPUs) perf/tensor_parallel.py over NCCL. Uses the
 # machine's own torch/triton/transformers; our packages come from the source tree. Results go to $OUT (the
@@ -14,12 +15,17 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu_info.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
+# the GPU paths only: -k drops the C++ CPU kernels' tests (which would build them here for nothing)
+timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 90 -k "not cpu and not avx2 and not avx512" \
+    tests/kernels/test_triton_kernels.py tests/kernels/test_lora_kernels.py tests/attention/test_attention_backends.py \
     tests/engine/test_kv_budget.py tests/models/test_fp8_kv_cache.py::test_triton_kernel_and_torch_read_the_fp8_cache_alike \
-    tests/kernels/test_int4_kernels.py tests/kernels/test_fp8_weight_kernels.py tests/models/test_int4_oracle.py::test_fp32_matches_transformers_on_the_dequantized_twin tests/engine/test_decode_graphs.py \
+    tests/kernels/test_int4_kernels.py tests/kernels/test_fp8_weight_kernels.py \
+    tests/models/test_fp8_weights_oracle.py::test_on_fp8_tensor_cores_layers_match_the_widening_reference \
+    tests/models/test_fp8_weights_oracle.py::test_on_fp8_tensor_cores_teacher_forced_agreement \
+    tests/models/test_int4_oracle.py::test_fp32_matches_transformers_on_the_dequantized_twin tests/engine/test_decode_graphs.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 300 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"
+timeout 270 python3 perf/gpu_bench.py 2>&1 | tee "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 serve_rc=0
 if python3 -c "import pytriton" 2>/dev/null; then  # served: a concurrency sweep over gRPC streaming

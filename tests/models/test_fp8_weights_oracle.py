@@ -126,3 +126,86 @@ def test_bf16_input_rounding_takes_each_cpu_path_alike(checkpoints, monkeypatch,
         want = fp8_linear.reference_round_input(x, scale, activations == "dynamic_token")
         torch.testing.assert_close(layer.quantize_input(x).float(), want.float(), atol=0, rtol=8e-3)
     assert calls == ([] if path == "torch" else [path] * 3)
+
+
+def _fp8_tensor_cores() -> bool:
+    from pagedllm.models.layers.fp8_linear import fp8_tensor_cores
+
+    return torch.cuda.is_available() and fp8_tensor_cores(torch.device("cuda"))
+
+
+# The tensor-core path on the GPU where it has them; on the CPU through torch's own (slow, reference) _scaled_mm,
+# the layer told the device has them: the same calls, scales and shapes, so the CPU suite tests the path too.
+TENSOR_CORE_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _fp8_tensor_cores(), reason="needs a GPU with fp8 tensor cores (compute capability 8.9+)")]),
+]
+
+
+@pytest.fixture
+def tensor_cores_on(monkeypatch):
+    def on(device):
+        if device == "cpu":
+            monkeypatch.setattr("pagedllm.models.layers.fp8_linear.fp8_tensor_cores", lambda d: True)
+    return on
+
+
+@pytest.mark.parametrize("device", TENSOR_CORE_DEVICES)
+@pytest.mark.parametrize("activations", ["static", "dynamic", "dynamic_token"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_on_fp8_tensor_cores_layers_match_the_widening_reference(checkpoints, tensor_cores_on, device, activations,
+                                                                dtype):
+    """A rounded-activation layer on fp8 tensor cores multiplies e4m3 codes (torch._scaled_mm, the weight kept as
+    [N, K]); its output equals the rounded input times the dequantized weight, at any row count."""
+    if device == "cpu" and dtype == "float16":
+        pytest.skip("the CPU runs no float16 models")
+    tensor_cores_on(device)
+    quantized, _ = checkpoints("llama", "compressed-tensors", "channel", activations)
+    llm = LLM(quantized, dtype=dtype, max_model_len=128, kv_cache_memory_bytes=4 << 20, device=device)
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and all(m.tensor_cores and not hasattr(m, "packed") for m in layers)
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers[:4]:
+        weight = layer.weight_rows.float() * layer.scales[:, None]
+        for rows in (1, 7, 64, 300):
+            x = (torch.randn(rows, layer.in_features, generator=gen) * 3).to(torch_dtype).to(device)
+            got = layer(x)
+            assert got.dtype == torch_dtype and got.shape == (rows, layer.out_features)
+            want = layer.quantize_input(x).float() @ weight.t()
+            tol = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-4}[dtype]
+            torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    assert_all_blocks_free(llm)
+
+
+def test_a_tensor_core_path_that_disagrees_leaves_the_widening_kernels(checkpoints, tensor_cores_on, monkeypatch,
+                                                                       caplog):
+    """The load-time probe: a _scaled_mm that is wrong (or refuses the shapes) costs speed, not correctness."""
+    tensor_cores_on("cpu")
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 1.01)
+    quantized, twin = checkpoints("llama", "compressed-tensors", "channel", "dynamic_token")
+    llm = LLM(quantized, dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, device="cpu")
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and not any(m.tensor_cores for m in layers) and all(hasattr(m, "packed") for m in layers)
+    assert "fp8 tensor cores: off" in caplog.text
+
+
+@pytest.mark.parametrize("device", TENSOR_CORE_DEVICES)
+@pytest.mark.parametrize("method,strategy,activations", [("compressed-tensors", "channel", "dynamic_token"),
+                                                         ("fp8", "tensor", "static")])
+def test_on_fp8_tensor_cores_teacher_forced_agreement(checkpoints, tensor_cores_on, device, method, strategy,
+                                                      activations):
+    tensor_cores_on(device)
+    quantized, twin = checkpoints("llama", method, strategy, activations)
+    prompts = random_prompts(LENGTHS)
+    hf, want = hf_greedy(twin, prompts)
+    seqs = [p + t for p, t in zip(prompts, want)]
+    llm = LLM(quantized, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=16 << 20, device=device)
+    assert all(m.tensor_cores for m in llm.engine.executor.model.modules() if isinstance(m, Fp8Linear))
+    scored = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
+    same, total = agreement_with_transformers(hf, prompts, seqs, scored, FLIP_MARGIN)
+    assert same >= 0.95 * total
+    assert_all_blocks_free(llm)
