@@ -7,8 +7,11 @@ the weights streamed from memory (one process, alternated with oneDNN's packed m
 rows to 128), 1.05-1.26x at 257-300 (a step oneDNN takes just above 256), 1.0-1.08x at 512, 0.99-1.06x at 1,024,
 0.92-1.0x at 2,048, so callers use it up to MAX_ROWS. End to end, a 264-token prompt's prefill took 1.28-1.30x a
 250-token one's with oneDNN above 256 rows and 1.04-1.07x with our kernel up to 512 (125M, one process each).
-On the 2-core Zen 5 host (full-width AVX-512) it is 1.3-1.4x oneDNN at 1-2 rows, 1.07-1.25x at 4-8, but 0.85-0.94x
-at 16-64: PackedLinear races the two at load (backend/pagedllm/models/layers/linear_race.py)."""
+On the 2-core Zen 5 host (full-width AVX-512) it was 1.3-1.4x oneDNN at 1-2 rows, 1.07-1.25x at 4-8, but 0.85-0.94x
+at 16-64, until its weight streams were prefetched from 5 rows up (quantized_linear.cpp): the load-time race
+then gave it 1.18 / 1.15 / 1.08 / 1.05 / 1.01 / 1.02x oneDNN at 16 / 32 / 64 / 128 / 256 / 512 rows (125M
+shapes; 0.5B's: ours up to 128 rows). PackedLinear races the two at load
+(backend/pagedllm/models/layers/linear_race.py)."""
 
 from __future__ import annotations
 
