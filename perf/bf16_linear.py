@@ -1,16 +1,23 @@
-"""bf16 linears on CPU as a decode step sees them: the 125M model's 49 linears (12 layers of q/k/v, o, gate/up,
-down, then the LM head), each with its own weight so they stream from memory as in a forward pass, through our
-AVX512-BF16 kernel (bf16_tiles.py) and through oneDNN's packed matmul (PackedLinear's other path), alternated
-pass by pass in one process; per row count the median pass of each, their ratio, and whether PackedLinear
-sends that many rows to our kernel (`bf16_tiles.MAX_ROWS`).
+"""bf16 linears on CPU as a decode step sees them: a model's linears (125M: 12 layers of q/k/v, o, gate/up, down,
+then the LM head; or the 0.5B shape's 24 layers), each with its own weight so they stream from memory as in a
+forward pass, through our AVX512-BF16 kernel (bf16_tiles.py) and through oneDNN's packed matmul (PackedLinear's
+other path), alternated pass by pass in one process; per row count the median pass of each, their ratio, and
+whether PackedLinear may send that many rows to our kernel (`bf16_tiles.MAX_ROWS`; the load-time race decides).
+`--against OLD.cpp` builds another version of quantized_linear.cpp (e.g. `git show REV:kernels/pagedllm_kernels/
+cpu/quantized_linear.cpp > /tmp/old.cpp`) and alternates it with ours instead of oneDNN.
 
-    .venv/bin/python perf/bf16_linear.py [--rows 1,2,4,8,16,32,64,128,256,512] [--passes 12]
+    .venv/bin/python perf/bf16_linear.py [--rows 1,2,4,8,16,32,64,128,256,512] [--passes 12] [--model 0.5b]
+    .venv/bin/python perf/bf16_linear.py --rows 8,16 --against /tmp/old.cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import pathlib
 import statistics
+import tempfile
 import time
 
 import torch
@@ -19,45 +26,73 @@ from common import emit
 from pagedllm.models.layers.packed_linear import pack_weight, packed_matmul
 from pagedllm_kernels.cpu import bf16_tiles
 
-LAYER = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # 125M: (out, in) of qkv, o, gate_up, down
-SHAPES = LAYER * 12 + [(32000, 768)]
+LAYERS = {  # (out, in) of qkv, o, gate_up, down per layer; layers; the LM head
+    "125m": ([(1280, 768), (768, 768), (4096, 768), (768, 2048)], 12, (32000, 768)),
+    "0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24, (32000, 896)),
+}
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
 
 
-def one_pass(rows: int, weights: list, linear) -> float:
-    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in SHAPES}}
+def one_pass(rows: int, shapes: list, weights: list, linear) -> float:
+    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
     start = time.perf_counter()
-    for (_, k), w in zip(SHAPES, weights):
+    for (_, k), w in zip(shapes, weights):
         linear(xs[k], w)
     return time.perf_counter() - start
+
+
+def build_other(source: str):
+    """`source` (a quantized_linear.cpp) built as an extension of its own, beside our headers: its bf16_linear."""
+    from torch.utils.cpp_extension import load
+
+    from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-linear-"))
+    bindings = work / "bindings.cpp"
+    bindings.write_text('#include <torch/extension.h>\n#include "ops.h"\n'
+                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("bf16_linear", &bf16_linear); }\n')
+    digest = hashlib.sha256(pathlib.Path(source).read_bytes()).hexdigest()[:10]
+    other = load(name=f"pagedllm_linear_other_{digest}", sources=[os.path.abspath(source), str(bindings)],
+                 extra_include_paths=[str(KERNELS)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS).bf16_linear
+    return lambda x, packed: other(x, packed, None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--passes", type=int, default=12)
+    ap.add_argument("--model", default="125m", choices=sorted(LAYERS))
+    ap.add_argument("--against", default=None, help="another quantized_linear.cpp, alternated with ours")
     args = ap.parse_args()
     supported, why = bf16_tiles.cpu_supported()
     if not supported:
         raise SystemExit(f"our bf16 kernel does not run here: {why}")
+    layer, layers, head = LAYERS[args.model]
+    shapes = layer * layers + [head]
     torch.manual_seed(0)
-    dense = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in SHAPES]
+    dense = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
     ours = [bf16_tiles.pack(w) for w in dense]
-    onednn = [pack_weight(w) for w in dense]
+    if args.against:
+        other_name, other_linear, others = "other", build_other(args.against), ours
+    else:
+        other_name, other_linear, others = "onednn", packed_matmul, [pack_weight(w) for w in dense]
     weight_bytes = sum(w.numel() * w.element_size() for w in dense)
     del dense
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            one_pass(rows, ours, bf16_tiles.linear)  # warm-up
-            one_pass(rows, onednn, packed_matmul)  # oneDNN builds its primitive for this shape
-            times = {"ours": [], "onednn": []}
+            one_pass(rows, shapes, ours, bf16_tiles.linear)  # warm-up
+            one_pass(rows, shapes, others, other_linear)  # oneDNN builds its primitive for this shape
+            times = {"ours": [], other_name: []}
             for _ in range(args.passes):
-                times["ours"].append(one_pass(rows, ours, bf16_tiles.linear))
-                times["onednn"].append(one_pass(rows, onednn, packed_matmul))
-            a, b = statistics.median(times["ours"]), statistics.median(times["onednn"])
-            emit({"rows": rows, "ours_ms": round(1e3 * a, 2), "onednn_ms": round(1e3 * b, 2),
+                times["ours"].append(one_pass(rows, shapes, ours, bf16_tiles.linear))
+                times[other_name].append(one_pass(rows, shapes, others, other_linear))
+            a, b = statistics.median(times["ours"]), statistics.median(times[other_name])
+            emit({"model": args.model, "rows": rows, "ours_ms": round(1e3 * a, 2), f"{other_name}_ms": round(1e3 * b, 2),
                   "ours_gb_per_s": round(weight_bytes / a / 1e9, 1),
+                  f"{other_name}_gb_per_s": round(weight_bytes / b / 1e9, 1),
                   "ours_gflop_per_s": round(rows * weight_bytes / a / 1e9, 1),  # 2 FLOPs per 2-byte weight and row
-                  "speed_ratio_ours_over_onednn": round(b / a, 3), "our_kernel_in_use": rows <= bf16_tiles.MAX_ROWS})
+                  f"speed_ratio_ours_over_{other_name}": round(b / a, 3),
+                  "our_kernel_may_take_it": rows <= bf16_tiles.MAX_ROWS})
 
 
 if __name__ == "__main__":

@@ -1,22 +1,25 @@
 // The Python module of the CPU kernels (one extension, built from every .cpp in this directory).
 #include "ops.h"
 
+// The long kernels (a linear, attention over a step's rows) run without the GIL, so the stub's other threads
+// (taking in requests, sending responses) are not held up to Python's 5 ms switch interval behind them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over each row's context, its last tokens causal (AVX-512, fp32 math)");
+  const auto kFree = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, kFree, "paged attention over each row's context, its last tokens causal (AVX-512, fp32 math)");
   m.def("store_kv", &store_kv, "write K/V into their cache slots in the kernels' block layout");
   m.def("rms_norm", &rms_norm, "RMSNorm, fp32 statistics");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate-half layout)");
-  m.def("amx_linear", &amx_linear, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
+  m.def("amx_linear", &amx_linear, kFree, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
   m.def("amx_unpack_weight", &amx_unpack_weight, "the plain [N, K] weight back from amx_linear's packing");
-  m.def("int4_linear", &int4_linear, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
+  m.def("int4_linear", &int4_linear, kFree, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
   m.def("int4_dequantize", &int4_dequantize, "the bf16 [N, K] weight of an int4_layout.py weight");
-  m.def("fp8_linear", &fp8_linear, "bf16 x @ W^T * s + b, W e4m3 (fp8_linear.py) widened in the matmul");
-  m.def("bf16_linear", &bf16_linear, "bf16 x @ W^T + b, W in bf16_tiles.py's tiles (decode-sized batches)");
-  m.def("int8_linear", &int8_linear, "W8A8: x quantized per row, int8 W per column, AVX512-VNNI int32 sums");
+  m.def("fp8_linear", &fp8_linear, kFree, "bf16 x @ W^T * s + b, W e4m3 (fp8_linear.py) widened in the matmul");
+  m.def("bf16_linear", &bf16_linear, kFree, "bf16 x @ W^T + b, W in bf16_tiles.py's tiles (decode-sized batches)");
+  m.def("int8_linear", &int8_linear, kFree, "W8A8: x quantized per row, int8 W per column, AVX512-VNNI int32 sums");
   m.def("fp8_round_input", &fp8_round_input, "x rounded to e4m3 at a static, per-row or per-tensor scale, and back");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
-  m.def("lora_delta_", &lora_delta_, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
+  m.def("lora_delta_", &lora_delta_, kFree, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
 }
