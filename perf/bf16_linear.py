@@ -1,8 +1,9 @@
 """bf16 linears on CPU as a decode step sees them: a model's linears (125M: 12 layers of q/k/v, o, gate/up, down,
 then the LM head; or the 0.5B shape's 24 layers), each with its own weight so they stream from memory as in a
-forward pass, through our AVX512-BF16 kernel (bf16_tiles.py) and through oneDNN's packed matmul (PackedLinear's
-other path), alternated pass by pass in one process; per row count the median pass of each, their ratio, and
-whether PackedLinear may send that many rows to our kernel (`bf16_tiles.MAX_ROWS`; the load-time race decides).
+forward pass, through our AVX512-BF16 kernel (bf16_tiles.py; with and without its software prefetch) and
+through oneDNN's packed matmul (PackedLinear's other path), alternated pass by pass in one process; per row
+count the median pass of each, their ratios, and whether PackedLinear may send that many rows to our kernel
+(`bf16_tiles.MAX_ROWS`; the load-time race decides).
 `--against OLD.cpp` builds another version of quantized_linear.cpp (e.g. `git show REV:kernels/pagedllm_kernels/
 cpu/quantized_linear.cpp > /tmp/old.cpp`) and alternates it with ours instead of oneDNN.
 
@@ -16,6 +17,7 @@ import argparse
 import hashlib
 import os
 import pathlib
+import re
 import statistics
 import tempfile
 import time
@@ -47,14 +49,18 @@ def build_other(source: str):
 
     from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
 
+    text = pathlib.Path(source).read_text()
+    prefetch = re.search(r"bf16_linear\([^)]*bool prefetch", text) is not None  # sources since the switch
     work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-linear-"))
     bindings = work / "bindings.cpp"
-    bindings.write_text('#include <torch/extension.h>\n#include "ops.h"\n'
+    bindings.write_text('#include <torch/extension.h>\n#include <optional>\n'
+                        'torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, std::optional<torch::Tensor>'
+                        + (", bool" if prefetch else "") + ');\n'
                         'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("bf16_linear", &bf16_linear); }\n')
-    digest = hashlib.sha256(pathlib.Path(source).read_bytes()).hexdigest()[:10]
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     other = load(name=f"pagedllm_linear_other_{digest}", sources=[os.path.abspath(source), str(bindings)],
                  extra_include_paths=[str(KERNELS)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS).bf16_linear
-    return lambda x, packed: other(x, packed, None)
+    return lambda x, packed: other(x, packed, None, *([True] if prefetch else []))
 
 
 def main() -> None:
@@ -80,18 +86,21 @@ def main() -> None:
     del dense
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            one_pass(rows, shapes, ours, bf16_tiles.linear)  # warm-up
-            one_pass(rows, shapes, others, other_linear)  # oneDNN builds its primitive for this shape
-            times = {"ours": [], other_name: []}
+            paths = {"ours": (ours, bf16_tiles.linear), other_name: (others, other_linear)}
+            if not args.against:  # our kernel without its software prefetch too (the race's other choice)
+                paths["ours_no_prefetch"] = (ours, lambda x, w: bf16_tiles.linear(x, w, prefetch=False))
+            for weights, fn in paths.values():  # warm-up (oneDNN builds its primitive for this shape)
+                one_pass(rows, shapes, weights, fn)
+            times = {name: [] for name in paths}
             for _ in range(args.passes):
-                times["ours"].append(one_pass(rows, shapes, ours, bf16_tiles.linear))
-                times[other_name].append(one_pass(rows, shapes, others, other_linear))
-            a, b = statistics.median(times["ours"]), statistics.median(times[other_name])
-            emit({"model": args.model, "rows": rows, "ours_ms": round(1e3 * a, 2), f"{other_name}_ms": round(1e3 * b, 2),
-                  "ours_gb_per_s": round(weight_bytes / a / 1e9, 1),
-                  f"{other_name}_gb_per_s": round(weight_bytes / b / 1e9, 1),
+                for name, (weights, fn) in paths.items():
+                    times[name].append(one_pass(rows, shapes, weights, fn))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            a = med["ours"]
+            emit({"model": args.model, "rows": rows, **{f"{n}_ms": round(1e3 * t, 2) for n, t in med.items()},
+                  **{f"{n}_gb_per_s": round(weight_bytes / t / 1e9, 1) for n, t in med.items()},
                   "ours_gflop_per_s": round(rows * weight_bytes / a / 1e9, 1),  # 2 FLOPs per 2-byte weight and row
-                  f"speed_ratio_ours_over_{other_name}": round(b / a, 3),
+                  **{f"speed_ratio_ours_over_{n}": round(t / a, 3) for n, t in med.items() if n != "ours"},
                   "our_kernel_may_take_it": rows <= bf16_tiles.MAX_ROWS})
 
 

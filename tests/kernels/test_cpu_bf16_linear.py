@@ -27,6 +27,16 @@ def test_matches_the_reference(rows, n, bias):
     torch.testing.assert_close(bf16_tiles.reference(x, packed, b), want)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 17, 64])
+def test_the_prefetch_changes_no_result(rows):
+    """With or without the software prefetch (the load-time race's choice) the arithmetic is the same."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(112, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    packed = bf16_tiles.pack(w)
+    assert torch.equal(bf16_tiles.linear(x, packed, prefetch=True), bf16_tiles.linear(x, packed, prefetch=False))
+
+
 def test_strided_rows_are_read_as_they_are():
     w = torch.randn(32, 64).to(torch.bfloat16)
     wide = torch.randn(3, 128).to(torch.bfloat16)

@@ -78,15 +78,38 @@ def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
         return lambda ls, xs, tile, repeats: ours_s(next(iter(xs.values())).shape[0]) if tile else 0.02
 
     monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.01 if rows < 64 else 0.03))
-    limit, record = linear_race.race_tile_rows(layers)
-    assert limit == 32 and [r["rows"] for r in record] == [16, 32, 64]  # lost at 64: the race ends there
+    limit, _, record = linear_race.race_tile_rows(layers)
+    assert limit == 32 and [r["rows"] for r in record[1:]] == [16, 32, 64]  # after the prefetch race: lost at 64
     monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.01))
     assert linear_race.race_tile_rows(layers)[0] == linear_race.RACE_ROWS[-1]
     monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.03))
     assert linear_race.race_tile_rows(layers)[0] == linear_race.ALWAYS_OURS  # lost at once: decodes only
     slow = lambda rows: 0.2 if rows == 16 else 0.01  # noqa: E731
     monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: slow(16) if tile else 0.3)
-    assert linear_race.race_tile_rows(layers) == (16, [{"rows": 16, "ours_ms": 200.0, "onednn_ms": 300.0}])
+    limit, _, record = linear_race.race_tile_rows(layers)
+    assert limit == 16 and record[1:] == [{"rows": 16, "ours_ms": 200.0, "onednn_ms": 300.0}]
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_race_keeps_the_faster_prefetch_setting(monkeypatch, faster):
+    """Our kernel's software prefetch is timed on and off first (8 and 16 rows); the faster setting is what every
+    layer keeps, and what the row race then times."""
+    from pagedllm.models.layers import linear_race
+
+    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 512,
+                              "prefetch": None})
+    seen = []
+
+    def fake_time(ls, xs, tile, repeats):
+        if not tile:  # the row race's oneDNN side: ours was just timed with the setting the race kept
+            seen.append(ls[0].prefetch)
+        return (0.01 if ls[0].prefetch == faster else 0.02) if tile else 0.005
+    monkeypatch.setattr(linear_race, "_time", fake_time)
+    limit, prefetch, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
+    assert prefetch is faster and fake.prefetch is faster and seen == [faster]  # lost at 16 rows, with it set
+    assert record[0]["rows"] == linear_race.PREFETCH_RACE_ROWS and limit == linear_race.ALWAYS_OURS
+    assert record[0]["prefetch_ms" if faster else "no_prefetch_ms"] < record[0][
+        "no_prefetch_ms" if faster else "prefetch_ms"]
 
 
 def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
@@ -98,8 +121,8 @@ def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256), nn.Linear(256, 512), nn.Linear(512, 256))
     model = model.to(torch.bfloat16)
     assert pack_linears(model, use_amx=False) == 4
-    limits = {m.max_tile_rows for m in model.modules() if isinstance(m, PackedLinear)}
-    assert len(limits) == 1 and limits <= {linear_race.ALWAYS_OURS, *linear_race.RACE_ROWS}
+    limits = {(m.max_tile_rows, m.prefetch) for m in model.modules() if isinstance(m, PackedLinear)}
+    assert len(limits) == 1 and {r for r, _ in limits} <= {linear_race.ALWAYS_OURS, *linear_race.RACE_ROWS}
 
 
 def test_the_race_stops_at_the_layers_own_ceiling(monkeypatch):
@@ -107,5 +130,5 @@ def test_the_race_stops_at_the_layers_own_ceiling(monkeypatch):
 
     fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 64})
     monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: 0.01 if tile else 0.02)
-    limit, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
-    assert limit == 64 and [r["rows"] for r in record] == [16, 32, 64]
+    limit, _, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
+    assert limit == 64 and [r["rows"] for r in record[1:]] == [16, 32, 64]

@@ -33,7 +33,8 @@ void int4_dequantize(torch::Tensor packed, torch::Tensor scales, torch::Tensor m
                      torch::Tensor out);
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                          std::optional<torch::Tensor> bias);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
+                          bool prefetch);
 torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_token);
 // int8_linear.cpp: W8A8, x quantized per row inside; weights in int8_linear.py's layout.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor wsum,

@@ -123,7 +123,7 @@ void all_tiles(const Args& a, int64_t rows, int64_t tiles) {
 constexpr int kDenseBf16PairBytes = 64;
 constexpr int64_t kDensePrefetch = 48;  // weight vectors ahead, per tile stream (see dense_tile_rows)
 
-template <int R, int T>
+template <int R, int T, bool kPrefetch>
 void dense_tile_rows(const Args& a, int64_t tile, int64_t r0) {
   __m512 d[T][R];
   for (int t = 0; t < T; ++t)
@@ -134,12 +134,13 @@ void dense_tile_rows(const Args& a, int64_t tile, int64_t r0) {
   for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const int32_t*>(a.x + (r0 + r) * a.x_stride);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512 wv[T];
-    // From 5 rows each weight vector feeds 15-24 dot products, and the hardware prefetcher alone no longer keeps
-    // the streams ahead: each tile's stream is requested kDensePrefetch vectors (3 KiB) ahead. Measured on Zen 5
-    // (perf/bf16_linear.py's shapes, alternated): 8 rows 1.08-1.33x, 16 rows 1.23-1.40x, 32-64 rows 1.10-1.2x;
-    // 24-64 ahead within noise of each other; 1-4 rows stream at the host's bandwidth without it (and lose with).
-    // A request past a stream's end reads nothing (prefetches never fault).
-    if constexpr (R >= 5)
+    // From 5 rows each weight vector feeds 15-24 dot products, and on Zen 5 the hardware prefetcher alone no
+    // longer keeps the streams ahead: each tile's stream is requested kDensePrefetch vectors (3 KiB) ahead.
+    // Measured on Zen 5 (perf/bf16_linear.py's shapes, alternated): 8 rows 1.08-1.33x, 16 rows 1.23-1.40x, 32-64
+    // rows 1.10-1.2x; 24-64 ahead within noise of each other; 1-4 rows stream at the host's bandwidth without it
+    // (and lose with). On Zen 4 software prefetch had only slowed an earlier version, so it is the caller's
+    // choice (`prefetch`, raced at load: linear_race.py). A request past a stream's end reads nothing.
+    if constexpr (kPrefetch && R >= 5)
       for (int t = 0; t < T; ++t)
         _mm_prefetch(reinterpret_cast<const char*>(w + (t * pairs + p + kDensePrefetch) * kDenseBf16PairBytes),
                      _MM_HINT_T0);
@@ -160,24 +161,24 @@ void dense_tile_rows(const Args& a, int64_t tile, int64_t r0) {
 // Tiles [tile, tile + count) for rows r0..r0+R-1, T at a time, the last (count % T) one at a time. 4 tiles for up
 // to 4 rows; for 5-8, 3 tiles when the rows are the whole batch (`kWide`: 24 accumulators, 8 rows 11% faster than 2
 // tiles on Zen 5, in one process) and 2 when they are one block of many (3 was 4-10% slower at 64-128 rows).
-template <int R, bool kWide>
+template <int R, bool kWide, bool kPrefetch>
 void dense_tiles(const Args& a, int64_t tile, int64_t count, int64_t r0) {
   constexpr int T = R <= 4 ? 4 : (kWide ? 3 : 2);
   int64_t t = 0;
-  for (; t + T <= count; t += T) dense_tile_rows<R, T>(a, tile + t, r0);
-  for (; t < count; ++t) dense_tile_rows<R, 1>(a, tile + t, r0);
+  for (; t + T <= count; t += T) dense_tile_rows<R, T, kPrefetch>(a, tile + t, r0);
+  for (; t < count; ++t) dense_tile_rows<R, 1, kPrefetch>(a, tile + t, r0);
 }
 
-template <int R, bool kWide>
+template <int R, bool kWide, bool kPrefetch>
 void dense_tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0) {
   if constexpr (R > 1)
-    if (rows < R) return dense_tiles_for<R - 1, kWide>(rows, a, tile, count, r0);
-  dense_tiles<R, kWide>(a, tile, count, r0);
+    if (rows < R) return dense_tiles_for<R - 1, kWide, kPrefetch>(rows, a, tile, count, r0);
+  dense_tiles<R, kWide, kPrefetch>(a, tile, count, r0);
 }
 
 // Each thread takes a run of whole groups of tiles (12 = lcm of 3 and 4 for one block of rows; 4 above, where
 // every block of 8 rows passes over the group's weight while it is still in L2).
-template <bool kWide>
+template <bool kWide, bool kPrefetch>
 void dense_groups(const Args& a, int64_t rows, int64_t tiles) {
   constexpr int64_t kGroup = kWide ? 12 : 4;
   const int64_t groups = (tiles + kGroup - 1) / kGroup;
@@ -185,16 +186,16 @@ void dense_groups(const Args& a, int64_t rows, int64_t tiles) {
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t count = std::min(kGroup, tiles - g * kGroup);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-      dense_tiles_for<kRowBlock, kWide>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)), a, g * kGroup,
-                                        count, r0);
+      dense_tiles_for<kRowBlock, kWide, kPrefetch>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)), a,
+                                                   g * kGroup, count, r0);
   }
 }
 
-void all_dense_tiles(const Args& a, int64_t rows, int64_t tiles) {
+void all_dense_tiles(const Args& a, int64_t rows, int64_t tiles, bool prefetch) {
   if (rows <= kRowBlock)
-    dense_groups<true>(a, rows, tiles);
+    prefetch ? dense_groups<true, true>(a, rows, tiles) : dense_groups<true, false>(a, rows, tiles);
   else
-    dense_groups<false>(a, rows, tiles);
+    prefetch ? dense_groups<false, true>(a, rows, tiles) : dense_groups<false, false>(a, rows, tiles);
 }
 
 void check_x(const torch::Tensor& x, int64_t k, int64_t n, const std::optional<torch::Tensor>& bias) {
@@ -258,7 +259,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 }
 
 // bf16: packed [N/16, K/2, 16, 2] bfloat16 (bf16_tiles.py), for few rows.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, bool prefetch) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kTile &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               "packed must be contiguous bfloat16 [N/16, K/2, 16, 2]");
@@ -268,7 +269,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<t
   auto y = torch::empty({rows, n}, x.options());
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, 1, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
                nullptr, nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), n};
-  all_dense_tiles(a, rows, n / kTile);
+  all_dense_tiles(a, rows, n / kTile, prefetch);
   return y;
 }
 

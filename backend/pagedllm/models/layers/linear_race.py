@@ -1,13 +1,15 @@
 """Where our bf16 kernel hands over to oneDNN, raced once at load on the model's own layer shapes.
 
 The crossover is a property of the CPU, not of the kernel alone. On the 2-core Zen 4 host ours led oneDNN's packed
-matmul at every row count up to 256 (1.04-1.9x); on the 2-core Zen 5 host it leads up to 8 rows (1.07-1.3x) and
-trails from 16 to 128 (0.85-0.98x), where oneDNN's blocking uses the wider datapath better (perf/bf16_linear.py,
-both hosts). So up to `ALWAYS_OURS` rows (decodes, where streaming the weight at the host's bandwidth decides and
-ours won on both) our kernel runs without a race; above, each row count of `RACE_ROWS` is timed over the model's
-first linears in order, each its own weight, `RACE_BYTES` of them so they stream from memory as in a forward pass
-(one layer's, hot in cache, favoured ours at every count on Zen 5), best of a few calls, both paths in turn. Our
-kernel keeps the rows up to the last count it won with no loss below it; oneDNN takes every batch above that.
+matmul at every row count up to 256 (1.04-1.9x); on the 2-core Zen 5 host it led up to 8 rows (1.07-1.3x) and
+trailed from 16 to 128 (0.85-0.98x) until its weight streams were prefetched in software from 5 rows, after which
+it led up to 512 (1.01-1.18x; perf/bf16_linear.py, both hosts). That prefetch had slowed an earlier version on
+Zen 4, so it is raced first: on and off at 8 and 16 rows, the faster kept for every row count. Up to
+`ALWAYS_OURS` rows (decodes, where streaming the weight at the host's bandwidth decides and ours won on both) our
+kernel runs without a race against oneDNN; above, each row count of `RACE_ROWS` is timed over the model's first
+linears in order, each its own weight, `RACE_BYTES` of them so they stream from memory as in a forward pass (one
+layer's, hot in cache, favoured ours at every count on Zen 5), best of a few calls, both paths in turn. Our kernel
+keeps the rows up to the last count it won with no loss below it; oneDNN takes every batch above that.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import time
 import torch
 
 ALWAYS_OURS = 8
+PREFETCH_RACE_ROWS = (8, 16)  # our kernel's software prefetch on and off, each timed at these batches together
 RACE_ROWS = (16, 32, 64, 128, 256, 512)  # those up to the layers' own ceiling (bf16_tiles.MAX_ROWS) are raced
 RACE_BYTES = 64 << 20  # twice the 2-core hosts' L3
 MAX_CALL_S = 0.1  # a call slower than this (a large model) ends the race: the limit stays where it is
 
 
-def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[int, list[dict]]:
+def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[int, bool, list[dict]]:
     """`named`: (name, PackedLinear with our kernel's tiles) in module order. Returns the largest row count our
-    kernel should take and each race point's timings (ms). The LM head is left out: it sees a decode's few rows."""
+    kernel should take, whether its software prefetch should be on, and each race point's timings (ms). The LM
+    head is left out: it sees a decode's few rows."""
     layers, total = [], 0
     for name, m in named:
         if not name.endswith("lm_head") and total < RACE_BYTES:
@@ -33,6 +37,20 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
     layers = layers or [m for _, m in named]
     limit, record = ALWAYS_OURS, []
     with torch.inference_mode():
+        # at a decode's 8 rows and at 16, where the prefetch differs more (Zen 5: 1.1x and 1.35x)
+        batches = [{k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
+                   for rows in PREFETCH_RACE_ROWS]
+        timed = {}
+        for prefetch in (True, False, True, False):  # alternated: a drifting host favours neither
+            for m in layers:
+                m.prefetch = prefetch
+            timed.setdefault(prefetch, []).append(sum(_time(layers, xs, tile=True, repeats=repeats)
+                                                      for xs in batches))
+        prefetch = min(timed[True]) <= min(timed[False])
+        for m in layers:
+            m.prefetch = prefetch
+        record.append({"rows": PREFETCH_RACE_ROWS, "prefetch_ms": round(1e3 * min(timed[True]), 3),
+                       "no_prefetch_ms": round(1e3 * min(timed[False]), 3)})
         for rows in (r for r in RACE_ROWS if r <= layers[0].max_tile_rows):
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
             ours, theirs = _time(layers, xs, tile=True, repeats=repeats), _time(layers, xs, tile=False,
@@ -43,7 +61,7 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
             limit = rows
             if ours > MAX_CALL_S:
                 break
-    return limit, record
+    return limit, prefetch, record
 
 
 def _time(layers: list, xs: dict, tile: bool, repeats: int) -> float:

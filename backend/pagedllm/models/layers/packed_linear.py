@@ -138,6 +138,7 @@ class PackedLinear(nn.Module):
         # copy of the weight in its tiles (bf16_tiles.py).
         self.tiles_kernel = tiles_kernel if tiles_kernel is not None and tiles_kernel.can_pack(linear.weight) else None
         self.max_tile_rows = 0  # the most rows our kernel takes (pack_linears races it; the kernel's MAX_ROWS else)
+        self.prefetch = True  # our kernel's software prefetch from 5 rows (pack_linears races it on and off)
         if self.tiles_kernel is not None:
             self.max_tile_rows = self.tiles_kernel.MAX_ROWS
             self.register_buffer("weight_tiles", self.tiles_kernel.pack(linear.weight))
@@ -150,7 +151,7 @@ class PackedLinear(nn.Module):
     def run(self, rows: torch.Tensor, tile: bool) -> torch.Tensor:
         """rows [n, in] -> [n, out] through our kernel (`tile`, which needs its tiles) or oneDNN."""
         if tile:
-            return self.tiles_kernel.linear(rows, self.weight_tiles, self.bias_f32)
+            return self.tiles_kernel.linear(rows, self.weight_tiles, self.bias_f32, self.prefetch)
         return packed_matmul(rows, self.packed_weight, self.bias)
 
 
@@ -171,8 +172,9 @@ def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
         model.set_submodule(name, fast)
     tiled = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.tiles_kernel]
     if tiled:
-        limit, record = race_tile_rows(tiled)
+        limit, prefetch, record = race_tile_rows(tiled)
         for _, m in tiled:
-            m.max_tile_rows = limit
-        logger.info("bf16 linears: our kernel up to %d rows, oneDNN above (raced at load: %s)", limit, record)
+            m.max_tile_rows, m.prefetch = limit, prefetch
+        logger.info("bf16 linears: our kernel up to %d rows (software prefetch %s), oneDNN above (raced at load: %s)",
+                    limit, "on" if prefetch else "off", record)
     return len(targets)
