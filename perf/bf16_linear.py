@@ -35,6 +35,15 @@ LAYERS = {  # (out, in) of qkv, o, gate_up, down per layer; layers; the LM head
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
 
 
+def model_shapes(model: str) -> list[tuple[int, int]]:
+    """(out, in) of every linear a decode step streams, in order, the LM head last."""
+    layer, layers, head = LAYERS[model]
+    return layer * layers + [head]
+
+
+SHAPES = model_shapes("125m")  # avx2_kernels.py times the same linears
+
+
 def one_pass(rows: int, shapes: list, weights: list, linear) -> float:
     xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
     start = time.perf_counter()
@@ -73,8 +82,7 @@ def main() -> None:
     supported, why = bf16_tiles.cpu_supported()
     if not supported:
         raise SystemExit(f"our bf16 kernel does not run here: {why}")
-    layer, layers, head = LAYERS[args.model]
-    shapes = layer * layers + [head]
+    shapes = model_shapes(args.model)
     torch.manual_seed(0)
     dense = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
     ours = [bf16_tiles.pack(w) for w in dense]
