@@ -74,12 +74,13 @@ class Fp8Linear(StagedLinear):
             self.register_buffer("input_scale", torch.tensor(self.input_scale_value, device=device))
         # _scaled_mm's shapes: K and N multiples of 16; activations must be e4m3 codes already (weight-only
         # checkpoints keep bf16 activations, which only the widening kernels take)
-        self.tensor_cores = (self.config.activations is not None and fp8_tensor_cores(device)
-                             and self.in_features % 16 == 0 and self.out_features % 16 == 0
-                             and self._tensor_cores_agree(weight.to(device), col_scales.to(device)))
+        if (self.config.activations is not None and fp8_tensor_cores(device)
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0):
+            rows, row_scales = weight.to(device).contiguous(), col_scales.to(device)  # [N, K] (.t() column-major), [N]
+            self.tensor_cores = self._tensor_cores_agree(rows, row_scales)
         if self.tensor_cores:
-            self.register_buffer("weight_rows", weight.to(device).contiguous())  # [N, K]: its .t() is column-major
-            self.register_buffer("scales", col_scales.to(device))  # [N]
+            self.register_buffer("weight_rows", rows)
+            self.register_buffer("scales", row_scales)
         else:
             packed, packed_scales = fp8_layout.pack(weight, col_scales)
             self.register_buffer("packed", packed.to(device))
@@ -114,19 +115,19 @@ class Fp8Linear(StagedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        y = self._tensor_core_matmul(x) if self.tensor_cores else self._matmul(self.quantize_input(x))
+        y = (self._tensor_core_matmul(x, self.weight_rows, self.scales) if self.tensor_cores
+             else self._matmul(self.quantize_input(x)))
         return y.reshape(*shape[:-1], self.out_features)
 
     def _tensor_cores_agree(self, weight: torch.Tensor, scales: torch.Tensor) -> bool:
         """Probe _scaled_mm once per layer at load, in both of its modes, against the widened weight: a library
         that refuses these shapes or disagrees leaves the layer on the widening kernels (logged), not broken."""
-        self.weight_rows, self.scales = weight.contiguous(), scales
         try:
             widened = weight.float() * scales[:, None]
             for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-3)):
                 x = torch.randn(3, self.in_features, device=weight.device, dtype=dtype)
                 want = self.quantize_input(x).float() @ widened.t()
-                got = self._tensor_core_matmul(x).float()
+                got = self._tensor_core_matmul(x, weight, scales).float()
                 if self.bias is not None:
                     want = want + self.bias
                 if not (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item()):
@@ -136,20 +137,19 @@ class Fp8Linear(StagedLinear):
             logger.warning("fp8 tensor cores: off for a %dx%d layer (%s: %s); the widening kernel serves it",
                            self.out_features, self.in_features, type(e).__name__, e)
             return False
-        finally:
-            del self.weight_rows, self.scales
 
-    def _tensor_core_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x's e4m3 codes times the weight's on the tensor cores, accumulated in fp32 (as the widening paths do)."""
+    def _tensor_core_matmul(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x's e4m3 codes times those of `weight` ([N, K] e4m3, its per-column `scales` [N]) on the tensor cores,
+        accumulated in fp32 (as the widening paths do)."""
         codes, scale = self.input_codes(x)
         if x.dtype == torch.bfloat16:  # CUTLASS's row-wise kernel: the scales in its epilogue, bf16 out
             rows_scale = scale if scale.dim() == 2 else scale.reshape(1, 1).repeat(x.shape[0], 1)  # [M, 1], unit stride
-            y = torch._scaled_mm(codes, self.weight_rows.t(), scale_a=rows_scale, scale_b=self.scales.view(1, -1),
+            y = torch._scaled_mm(codes, weight.t(), scale_a=rows_scale, scale_b=scales.view(1, -1),
                                  out_dtype=torch.bfloat16)
         else:  # row-wise scaling has bf16 output only: unit scales, fp32 out, then the scales
-            one = self.scales.new_ones(())
-            y = torch._scaled_mm(codes, self.weight_rows.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-            y = y * scale * self.scales
+            one = scales.new_ones(())
+            y = torch._scaled_mm(codes, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            y = y * scale * scales
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
