@@ -164,6 +164,17 @@ def test_fused_add_rms_norm_updates_both_in_place(dtype):
         assert _ulps_apart(got_out, ref_out).max() <= 1 and (got_out == ref_out).float().mean() > 0.98
 
 
+def test_a_model_off_the_cpu_neither_builds_nor_loads_the_cpu_kernels(monkeypatch):
+    from pagedllm.models.layers import fused
+    from pagedllm_kernels.cpu import build
+
+    def no_build():
+        raise AssertionError("built for a GPU model")
+    monkeypatch.setattr(build, "extension", no_build)
+    assert [load("cuda:0") for load in (fused.load_fused_ops, fused.load_token_mask, fused.load_lora_kernel)] == [
+        None, None, None]
+
+
 def test_rms_norm_module_with_a_residual_matches_the_torch_path():
     """The decoder's norm(x, residual): fused in place for bf16 once use_fused_ops hands it the ops, the torch
     add + norm otherwise."""

@@ -79,9 +79,8 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
-        cpu_ops = config.fused_cpu_ops and info.device == "cpu"  # a GPU engine neither builds nor loads them
-        self.sampler = Sampler(config.seed, load_fused_ops() if cpu_ops else None)
-        self.grammar_masks = GrammarMasks(load_token_mask() if cpu_ops else None)
+        self.sampler = Sampler(config.seed, load_fused_ops(info.device) if config.fused_cpu_ops else None)
+        self.grammar_masks = GrammarMasks(load_token_mask(info.device) if config.fused_cpu_ops else None)
         self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len)
         self.groups = RequestGroups(self.scheduler, self.kv, self.output_processor, info.eos_token_ids,
                                     lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))

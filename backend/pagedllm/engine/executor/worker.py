@@ -77,13 +77,12 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
         finish_quantized_linears(model)
     if spec.quantization == "int8":
         quantize_to_int8(model)
-    cpu_ops = spec.fused_cpu_ops and device == "cpu"  # the C++ CPU kernels are neither built nor loaded on a GPU
     model.lora = LoRAModel(model, spec.max_loras, spec.max_lora_rank,
-                           load_lora_kernel() if cpu_ops else None) if spec.max_loras else None
+                           load_lora_kernel(device) if spec.fused_cpu_ops else None) if spec.max_loras else None
     if not fallback:  # transformers' modules may read their linears' .weight
         pack_linears(model, use_amx=spec.amx_linear)  # bf16 on CPU only; sharded layers stay as they are
         pack_experts(model)  # bf16 on CPU only (a tensor-parallel rank packs its rows of each expert)
-    use_fused_ops(model, load_fused_ops() if cpu_ops else None)
+    use_fused_ops(model, load_fused_ops(device) if spec.fused_cpu_ops else None)
     return model
 
 

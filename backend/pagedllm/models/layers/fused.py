@@ -18,23 +18,25 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def load_fused_ops() -> ModuleType | None:
-    """The fused-ops module, or None (the reason logged) where it cannot be built here: no AVX-512, no compiler,
-    no ninja."""
-    return _load_cpu_kernels("fused_ops")
+def load_fused_ops(device: str = "cpu") -> ModuleType | None:
+    """The fused-ops module for a model on `device`, or None: off the CPU (nothing is built there), or (the reason
+    logged) where it cannot be built here: no AVX-512, no compiler, no ninja."""
+    return _load_cpu_kernels("fused_ops", device)
 
 
-def load_token_mask() -> ModuleType | None:
+def load_token_mask(device: str = "cpu") -> ModuleType | None:
     """The token-mask kernel's module (structured output's masks on CPU logits), or None likewise."""
-    return _load_cpu_kernels("token_mask")
+    return _load_cpu_kernels("token_mask", device)
 
 
-def load_lora_kernel() -> ModuleType | None:
+def load_lora_kernel(device: str = "cpu") -> ModuleType | None:
     """The batched LoRA delta kernel's module (bf16 on CPU), or None likewise."""
-    return _load_cpu_kernels("lora")
+    return _load_cpu_kernels("lora", device)
 
 
-def _load_cpu_kernels(name: str) -> ModuleType | None:
+def _load_cpu_kernels(name: str, device: str) -> ModuleType | None:
+    if device != "cpu":  # a GPU engine's tensors never reach them: no build for nothing
+        return None
     try:
         from pagedllm_kernels.cpu import build
 
