@@ -14,17 +14,14 @@ cpu/quantized_linear.cpp > /tmp/old.cpp`) and alternates it with ours instead of
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import pathlib
 import re
 import statistics
-import tempfile
 import time
 
 import torch
 
-from common import emit
+from common import build_kernel_source, emit
 from pagedllm.models.layers.packed_linear import pack_weight, packed_matmul
 from pagedllm_kernels.cpu import bf16_tiles
 
@@ -32,7 +29,6 @@ LAYERS = {  # (out, in) of qkv, o, gate_up, down per layer; layers; the LM head
     "125m": ([(1280, 768), (768, 768), (4096, 768), (768, 2048)], 12, (32000, 768)),
     "0.5b": ([(1152, 896), (896, 896), (9728, 896), (896, 4864)], 24, (32000, 896)),
 }
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
 
 
 def model_shapes(model: str) -> list[tuple[int, int]]:
@@ -53,22 +49,11 @@ def one_pass(rows: int, shapes: list, weights: list, linear) -> float:
 
 
 def build_other(source: str):
-    """`source` (a quantized_linear.cpp) built as an extension of its own, beside our headers: its bf16_linear."""
-    from torch.utils.cpp_extension import load
-
-    from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
-
-    text = pathlib.Path(source).read_text()
-    prefetch = re.search(r"bf16_linear\([^)]*bool prefetch", text) is not None  # sources since the switch
-    work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-linear-"))
-    bindings = work / "bindings.cpp"
-    bindings.write_text('#include <torch/extension.h>\n#include <optional>\n'
-                        'torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, std::optional<torch::Tensor>'
-                        + (", bool" if prefetch else "") + ');\n'
-                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("bf16_linear", &bf16_linear); }\n')
-    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
-    other = load(name=f"pagedllm_linear_other_{digest}", sources=[os.path.abspath(source), str(bindings)],
-                 extra_include_paths=[str(KERNELS)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS).bf16_linear
+    """`source` (a quantized_linear.cpp) built beside our headers: its bf16_linear, as `(x, packed)`."""
+    prefetch = re.search(r"bf16_linear\([^)]*bool prefetch", pathlib.Path(source).read_text()) is not None
+    other = build_kernel_source(source, "bf16_linear",  # sources before the prefetch switch take no flag
+                                "#include <optional>\ntorch::Tensor bf16_linear(torch::Tensor, torch::Tensor, "
+                                "std::optional<torch::Tensor>" + (", bool" if prefetch else "") + ");")
     return lambda x, packed: other(x, packed, None, *([True] if prefetch else []))
 
 

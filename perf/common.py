@@ -30,6 +30,29 @@ def model_dir(arch: str, size: str, dtype: str = "bfloat16") -> str:
     return path
 
 
+def build_kernel_source(source: str, function: str, declaration: str = '#include "ops.h"'):
+    """Another version of one of our C++ CPU kernel sources (say `git show REV:kernels/...cpp > /tmp/old.cpp`),
+    built as an extension of its own beside our headers, for A/B timings: returns its `function`. `declaration`
+    declares that function to the bindings (ops.h's by default; an older source may have another signature)."""
+    import hashlib
+    import pathlib
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
+
+    kernels = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
+    work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-other-"))
+    bindings = work / "bindings.cpp"
+    bindings.write_text(f'#include <torch/extension.h>\n{declaration}\n'
+                        f'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("{function}", &{function}); }}\n')
+    digest = hashlib.sha256(pathlib.Path(source).read_bytes() + declaration.encode()).hexdigest()[:10]
+    module = load(name=f"pagedllm_other_{function}_{digest}", sources=[os.path.abspath(source), str(bindings)],
+                  extra_include_paths=[str(kernels)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
+    return getattr(module, function)
+
+
 def quantized_model_dir(arch: str, size: str, kind: str) -> str:
     """Make (once) and return the perf model quantized: "awq" or "gptq" (symmetric) int4, group size 128;
     "fp8" (compressed-tensors, per-channel weights, dynamic per-token activations: llm-compressor's FP8_DYNAMIC)."""

@@ -14,19 +14,14 @@ the two call by call on the same caches; the ratio is old time / our time.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
-import pathlib
 import statistics
-import tempfile
 import time
 
 import torch
 
-from common import emit
+from common import build_kernel_source, emit
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 12, 4, 64, 16
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
 
 
 def read_bandwidth(gib: float = 0.5) -> float:
@@ -41,21 +36,6 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def build_other(source: str):
-    """`source` (a paged_attention.cpp) built as an extension of its own, beside our headers."""
-    from torch.utils.cpp_extension import load
-
-    from pagedllm_kernels.cpu.build import _CFLAGS, _LDFLAGS
-
-    work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-attn-"))
-    bindings = work / "bindings.cpp"
-    bindings.write_text('#include <torch/extension.h>\n#include "ops.h"\n'
-                        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }\n')
-    digest = hashlib.sha256(pathlib.Path(source).read_bytes()).hexdigest()[:10]
-    return load(name=f"pagedllm_attn_other_{digest}", sources=[os.path.abspath(source), str(bindings)],
-                extra_include_paths=[str(KERNELS)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS).paged_attention
 
 
 def caches_for(rows: int, ctx: int, seed: int = 0):
@@ -93,7 +73,7 @@ def main() -> None:
         raise SystemExit(f"the AVX-512 kernels cannot run here: {why}")
     kernels = {"ours": extension().paged_attention}
     if args.against:
-        kernels["other"] = build_other(args.against)
+        kernels["other"] = build_kernel_source(args.against, "paged_attention")
     peak = read_bandwidth()
     emit({"bench": "read_bandwidth", "gb_per_s": round(peak / 1e9, 1)})
     for shape in args.shapes.split(","):

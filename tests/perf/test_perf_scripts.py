@@ -96,6 +96,19 @@ def test_avx2_kernels_compare_both_paths():
 
 
 @needs_kernels
+def test_decode_attention_against_another_source(tmp_path):
+    """--against builds the given paged_attention.cpp beside ours (perf/common.build_kernel_source, declared by
+    ops.h) and alternates the two: here the same source, so both run and report."""
+    from pagedllm_kernels.cpu import build
+
+    source = Path(build.__file__).with_name("paged_attention.cpp")
+    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
+    records = run("decode_attention.py", "--shapes", "2x40", "--passes", "1", "--against", str(tmp_path / "other.cpp"))
+    assert [(r["rows"], r["max_context"]) for r in records[1:]] == [(2, 40)]
+    assert records[1]["ours_ms"] > 0 and records[1]["other_ms"] > 0
+
+
+@needs_kernels
 def test_decode_attention_reports_bandwidth():
     records = run("decode_attention.py", "--shapes", "2x40,3x100", "--passes", "1")
     assert records[0]["bench"] == "read_bandwidth" and records[0]["gb_per_s"] > 0
