@@ -38,8 +38,7 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
     limit, record = ALWAYS_OURS, []
     with torch.inference_mode():
         # at a decode's 8 rows and at 16, where the prefetch differs more (Zen 5: 1.1x and 1.35x)
-        batches = [{k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
-                   for rows in PREFETCH_RACE_ROWS]
+        batches = [_inputs(layers, rows) for rows in PREFETCH_RACE_ROWS]
         timed = {}
         for prefetch in (True, False, True, False):  # alternated: a drifting host favours neither
             for m in layers:
@@ -52,7 +51,7 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
         record.append({"rows": PREFETCH_RACE_ROWS, "prefetch_ms": round(1e3 * min(timed[True]), 3),
                        "no_prefetch_ms": round(1e3 * min(timed[False]), 3)})
         for rows in (r for r in RACE_ROWS if r <= layers[0].max_tile_rows):
-            xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
+            xs = _inputs(layers, rows)
             ours, theirs = _time(layers, xs, tile=True, repeats=repeats), _time(layers, xs, tile=False,
                                                                                repeats=repeats)
             record.append({"rows": rows, "ours_ms": round(1e3 * ours, 3), "onednn_ms": round(1e3 * theirs, 3)})
@@ -62,6 +61,11 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
             if ours > MAX_CALL_S:
                 break
     return limit, prefetch, record
+
+
+def _inputs(layers: list, rows: int) -> dict[int, torch.Tensor]:
+    """A random bf16 batch of `rows` per input width of the layers."""
+    return {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in layers}}
 
 
 def _time(layers: list, xs: dict, tile: bool, repeats: int) -> float:
