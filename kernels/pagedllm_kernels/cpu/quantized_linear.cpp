@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -47,155 +48,166 @@ struct Args {
   int64_t y_stride;
 };
 
-// A format: its bytes per pair vector, and how they become one.
+// A format: its bytes per pair vector, how they become one, whether its groups carry scales, from how many rows
+// its weight stream is prefetched in software, and up to how many rows a whole batch takes one tile per pass.
+struct Bf16 {
+  static constexpr int64_t kPairBytes = 64;
+  static constexpr bool kScaled = false;
+  static constexpr int kPrefetchFrom = 5, kOneTileRows = 0;
+  static __m512i pairs(const uint8_t* p) { return _mm512_loadu_si512(p); }
+};
 struct Int4 {
   static constexpr int64_t kPairBytes = 16;
+  static constexpr bool kScaled = true;
+  static constexpr int kPrefetchFrom = 1, kOneTileRows = 8;
   static __m512i pairs(const uint8_t* p) { return codes_as_bf16_pairs(p); }
 };
 struct Fp8 {
   static constexpr int64_t kPairBytes = 32;
+  static constexpr bool kScaled = true;
+  static constexpr int kPrefetchFrom = 1, kOneTileRows = 8;
   static __m512i pairs(const uint8_t* p) { return fp8_pairs(p); }
 };
 
-// Rows r0..r0+R-1 of y for one tile of 16 columns; the weight's pair vectors unpacked as they are read, or
-// (`unpacked`, for more than one block of rows) read from the tile's buffer of them.
-template <class F, int R>
-void tile_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* unpacked) {
-  __m512 y[R];
-  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
-  const int64_t pairs = a.group_size / 2;
-  const uint8_t* w = a.packed + tile * (a.k / 2) * F::kPairBytes;
+// How far ahead of its reads each tile's weight stream is requested. Where a pass is busy enough per weight byte
+// (bf16 from 5 rows: each vector feeds 15-24 dot products; int4 and fp8 at any rows: each is unpacked first), the
+// hardware prefetcher alone no longer keeps the streams ahead on Zen 5. Measured there, alternated: bf16 8 rows
+// 1.08-1.33x, 16 rows 1.23-1.40x, 32-64 rows 1.10-1.2x; int4 at 1-4 rows 1.1-1.25x (in the one-tile pass below).
+// 1.5-12 KiB ahead were within noise of each other. Bf16 at 1-4 rows streams at the host's bandwidth without it
+// (and loses 5-10% with). On Zen 4 software prefetch had only slowed an earlier bf16 version, so bf16's is the
+// caller's choice (`prefetch`, raced at load: linear_race.py); int4 and fp8 always prefetch (measured on Zen 5
+// only). A request past a stream's end reads nothing.
+constexpr int64_t kPrefetchBytes = 3072;
+
+// Rows r0..r0+R-1 of y for tiles tile..tile+T-1: one pass over K, each broadcast pair of x feeding T pair dot
+// products, each summed in U independent chains (pair p in chain p mod U) so the dot product's latency is hidden
+// when R x T alone is too few. The pair vectors are F's, unpacked as they are read, or (kBuffered) already
+// unpacked in `buf`, tile t's at buf + t * K/2. Scaled formats sum each group's dot products apart and fold them
+// into y with the group's scales.
+template <class F, int R, int T, int U, bool kPrefetch, bool kBuffered>
+void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
+  constexpr int64_t kBytes = kBuffered ? 64 : F::kPairBytes;
+  const int64_t pairs = a.k / 2, group_pairs = a.group_size / 2;
+  const uint8_t* w = kBuffered ? reinterpret_cast<const uint8_t*>(buf) : a.packed + tile * pairs * kBytes;
   const int32_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const int32_t*>(a.x + (r0 + r) * a.x_stride);
+  __m512 y[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) y[t][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m512 d[R];
-    for (int r = 0; r < R; ++r) d[r] = _mm512_setzero_ps();
-    for (int64_t p = g * pairs; p < (g + 1) * pairs; ++p) {
-      const __m512 wv = _mm512_castsi512_ps(unpacked ? _mm512_load_si512(unpacked + p) : F::pairs(w + p * F::kPairBytes));
-      for (int r = 0; r < R; ++r)
-        d[r] = _mm512_dpbf16_ps(d[r], (__m512bh)wv, (__m512bh)_mm512_castsi512_ps(_mm512_set1_epi32(xr[r][p])));
-    }
-    if (!a.scales) {  // bf16: one group, no scale
-      for (int r = 0; r < R; ++r) y[r] = d[r];
+    __m512 du[U][T][R];  // the chains, summed at the group's end
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) du[u][t][r] = _mm512_setzero_ps();
+    // One pair: T weight vectors, each broadcast pair of x into T of chain d's accumulators.
+    const auto pair = [&](int64_t p, __m512 (&d)[T][R]) __attribute__((always_inline)) {
+      if constexpr (kPrefetch && !kBuffered && R >= F::kPrefetchFrom)
+        for (int t = 0; t < T; ++t)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (t * pairs + p) * kBytes + kPrefetchBytes), _MM_HINT_T0);
+      __m512 wv[T];
+      for (int t = 0; t < T; ++t)
+        wv[t] = _mm512_castsi512_ps(kBuffered ? _mm512_load_si512(w + (t * pairs + p) * kBytes)
+                                              : F::pairs(w + (t * pairs + p) * kBytes));
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_castsi512_ps(_mm512_set1_epi32(xr[r][p]));
+        for (int t = 0; t < T; ++t) d[t][r] = _mm512_dpbf16_ps(d[t][r], (__m512bh)wv[t], xb);
+      }
+    };
+    int64_t p = g * group_pairs;
+    const int64_t end = p + group_pairs;
+    for (; p + U <= end; p += U)
+      for (int u = 0; u < U; ++u) pair(p + u, du[u]);
+    for (; p < end; ++p) pair(p, du[0]);  // a group of fewer pairs than chains, or its rest (fp8 of any even K)
+    __m512 d[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) {
+        d[t][r] = du[0][t][r];
+        for (int u = 1; u < U; ++u) d[t][r] = _mm512_add_ps(d[t][r], du[u][t][r]);
+      }
+    if constexpr (!F::kScaled) {  // one group, no scale
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) y[t][r] = d[t][r];
       continue;
     }
-    const __m512 s = _mm512_loadu_ps(a.scales + (tile * a.groups + g) * kTile);
-    for (int r = 0; r < R; ++r) y[r] = _mm512_fmadd_ps(s, d[r], y[r]);
-    if (a.mins) {
-      const __m512 c = _mm512_fmadd_ps(s, _mm512_set1_ps(128.0f), _mm512_loadu_ps(a.mins + (tile * a.groups + g) * kTile));
-      for (int r = 0; r < R; ++r) y[r] = _mm512_fnmadd_ps(c, _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]), y[r]);
-    }
-  }
-  const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + tile * kTile) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
-    pagedllm::store16(a.y + (r0 + r) * a.y_stride + tile * kTile, _mm512_add_ps(y[r], b));
-}
-
-template <class F, int R>
-void tile_rows_for(int rows, const Args& a, int64_t tile, int64_t r0, const __m512i* unpacked) {
-  if constexpr (R > 1)
-    if (rows < R) return tile_rows_for<F, R - 1>(rows, a, tile, r0, unpacked);
-  tile_rows<F, R>(a, tile, r0, unpacked);
-}
-
-// Every tile of y; with more than one block of rows each tile's pair vectors are unpacked once into a buffer
-// (K/2 x 64 bytes, in L1 or L2) that every block then reads, so the unpacking is not repeated per block.
-template <class F>
-void all_tiles(const Args& a, int64_t rows, int64_t tiles) {
-  const bool buffered = rows > kRowBlock;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<__m512i> unpacked(buffered ? a.k / 2 : 0);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-      if (buffered)
-        for (int64_t p = 0; p < a.k / 2; ++p) unpacked[p] = F::pairs(a.packed + (t * (a.k / 2) + p) * F::kPairBytes);
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-        tile_rows_for<F, kRowBlock>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)), a, t, r0,
-                                    buffered ? unpacked.data() : nullptr);
-    }
-  }
-}
-
-// bf16: T tiles side by side per pass over K, so each broadcast pair of x feeds T pair dot products (R x T <= 24
-// accumulators). With one tile per pass, 8 rows made 8 broadcasts per 64-byte load and ran 1.6x as long as two
-// tiles per pass, which keeps the weight streaming near the host's bandwidth (measured, 125M shapes, Zen 4).
-constexpr int kDenseBf16PairBytes = 64;
-constexpr int64_t kDensePrefetch = 48;  // weight vectors ahead, per tile stream (see dense_tile_rows)
-
-template <int R, int T, bool kPrefetch>
-void dense_tile_rows(const Args& a, int64_t tile, int64_t r0) {
-  __m512 d[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) d[t][r] = _mm512_setzero_ps();
-  const int64_t pairs = a.k / 2;
-  const uint8_t* w = a.packed + tile * pairs * kDenseBf16PairBytes;  // tile + t starts pairs vectors later
-  const int32_t* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const int32_t*>(a.x + (r0 + r) * a.x_stride);
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512 wv[T];
-    // From 5 rows each weight vector feeds 15-24 dot products, and on Zen 5 the hardware prefetcher alone no
-    // longer keeps the streams ahead: each tile's stream is requested kDensePrefetch vectors (3 KiB) ahead.
-    // Measured on Zen 5 (perf/bf16_linear.py's shapes, alternated): 8 rows 1.08-1.33x, 16 rows 1.23-1.40x, 32-64
-    // rows 1.10-1.2x; 24-64 ahead within noise of each other; 1-4 rows stream at the host's bandwidth without it
-    // (and lose with). On Zen 4 software prefetch had only slowed an earlier version, so it is the caller's
-    // choice (`prefetch`, raced at load: linear_race.py). A request past a stream's end reads nothing.
-    if constexpr (kPrefetch && R >= 5)
-      for (int t = 0; t < T; ++t)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (t * pairs + p + kDensePrefetch) * kDenseBf16PairBytes),
-                     _MM_HINT_T0);
-    for (int t = 0; t < T; ++t)
-      wv[t] = _mm512_castsi512_ps(_mm512_loadu_si512(w + (t * pairs + p) * kDenseBf16PairBytes));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_castsi512_ps(_mm512_set1_epi32(xr[r][p]));
-      for (int t = 0; t < T; ++t) d[t][r] = _mm512_dpbf16_ps(d[t][r], (__m512bh)wv[t], xb);
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile + t) * a.groups + g) * kTile;
+      const __m512 s = _mm512_loadu_ps(a.scales + at);
+      for (int r = 0; r < R; ++r) y[t][r] = _mm512_fmadd_ps(s, d[t][r], y[t][r]);
+      if (a.mins) {  // int4: y -= (128 s + m) * X, X the group's sum of x (see the top of the file)
+        const __m512 c = _mm512_fmadd_ps(s, _mm512_set1_ps(128.0f), _mm512_loadu_ps(a.mins + at));
+        for (int r = 0; r < R; ++r)
+          y[t][r] = _mm512_fnmadd_ps(c, _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]), y[t][r]);
+      }
     }
   }
   for (int t = 0; t < T; ++t) {
     const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + (tile + t) * kTile) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
-      pagedllm::store16(a.y + (r0 + r) * a.y_stride + (tile + t) * kTile, _mm512_add_ps(d[t][r], b));
+      pagedllm::store16(a.y + (r0 + r) * a.y_stride + (tile + t) * kTile, _mm512_add_ps(y[t][r], b));
   }
 }
 
-// Tiles [tile, tile + count) for rows r0..r0+R-1, T at a time, the last (count % T) one at a time. 4 tiles for up
-// to 4 rows; for 5-8, 3 tiles when the rows are the whole batch (`kWide`: 24 accumulators, 8 rows 11% faster than 2
-// tiles on Zen 5, in one process) and 2 when they are one block of many (3 was 4-10% slower at 64-128 rows).
-template <int R, bool kWide, bool kPrefetch>
-void dense_tiles(const Args& a, int64_t tile, int64_t count, int64_t r0) {
-  constexpr int T = R <= 4 ? 4 : (kWide ? 3 : 2);
+// Tiles [tile, tile + count) for rows r0..r0+R-1, T at a time, the last (count % T) one at a time.
+// bf16: 4 tiles for up to 4 rows; for 5-8, 3 tiles when the rows are the whole batch (`kWide`: 24 accumulators, 8
+// rows 11% faster than 2 tiles on Zen 5, in one process) and 2 when they are one block of many (3 was 4-10% slower
+// at 64-128 rows). One tile per pass had made 8 rows issue 8 broadcasts per weight vector and run 1.6x as long as
+// two (125M shapes, Zen 4).
+// int4 and fp8: a whole batch of up to 8 rows takes one tile per pass in 4 chains (2 from 5 rows), so each thread
+// reads one contiguous stream, as the packed tiles lie, while their unpacking, not the broadcasts, bounds the pass;
+// 3-4 tiles per pass (bf16's choice) were 10-20% slower at 1-8 rows. Blocks of many rows read the unpacked buffer
+// 2 tiles at a time (one tile was 8-12% slower at 16-64 rows). Against the one-tile, one-chain pass without
+// prefetch and with a buffer per tile before (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5,
+// alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 /
+// 1.62 / 1.24 / 1.37x.
+template <class F, int R, bool kWide, bool kPrefetch, bool kBuffered>
+void tiles(const Args& a, int64_t tile, int64_t count, int64_t r0, const __m512i* buf) {
+  constexpr bool kOneTile = kWide && R <= F::kOneTileRows;
+  constexpr int T = kOneTile ? 1 : R <= 4 ? 4 : (kWide ? 3 : 2), U = kOneTile ? (R <= 4 ? 4 : 2) : 1;
+  const int64_t pairs = a.k / 2;
   int64_t t = 0;
-  for (; t + T <= count; t += T) dense_tile_rows<R, T, kPrefetch>(a, tile + t, r0);
-  for (; t < count; ++t) dense_tile_rows<R, 1, kPrefetch>(a, tile + t, r0);
+  const auto at = [&](int64_t i) { return kBuffered ? buf + i * pairs : nullptr; };  // tile i's unpacked vectors
+  for (; t + T <= count; t += T) tiles_rows<F, R, T, U, kPrefetch, kBuffered>(a, tile + t, r0, at(t));
+  for (; t < count; ++t) tiles_rows<F, R, 1, U, kPrefetch, kBuffered>(a, tile + t, r0, at(t));
 }
 
-template <int R, bool kWide, bool kPrefetch>
-void dense_tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0) {
+template <class F, int R, bool kWide, bool kPrefetch, bool kBuffered>
+void tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0, const __m512i* buf) {
   if constexpr (R > 1)
-    if (rows < R) return dense_tiles_for<R - 1, kWide, kPrefetch>(rows, a, tile, count, r0);
-  dense_tiles<R, kWide, kPrefetch>(a, tile, count, r0);
+    if (rows < R) return tiles_for<F, R - 1, kWide, kPrefetch, kBuffered>(rows, a, tile, count, r0, buf);
+  tiles<F, R, kWide, kPrefetch, kBuffered>(a, tile, count, r0, buf);
 }
 
 // Each thread takes a run of whole groups of tiles (12 = lcm of 3 and 4 for one block of rows; 4 above, where
-// every block of 8 rows passes over the group's weight while it is still in L2).
-template <bool kWide, bool kPrefetch>
-void dense_groups(const Args& a, int64_t rows, int64_t tiles) {
+// every block of 8 rows passes over the group's weight while it is still in L2). Above one block a packed
+// format's group is unpacked once into a buffer (4 x K/2 x 64 bytes, in L2) that every block then reads, so
+// the unpacking is not repeated per block.
+template <class F, bool kWide, bool kPrefetch>
+void groups(const Args& a, int64_t rows, int64_t tiles_n) {
   constexpr int64_t kGroup = kWide ? 12 : 4;
-  const int64_t groups = (tiles + kGroup - 1) / kGroup;
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t count = std::min(kGroup, tiles - g * kGroup);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-      dense_tiles_for<kRowBlock, kWide, kPrefetch>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)), a,
-                                                   g * kGroup, count, r0);
+  constexpr bool kBuffered = !kWide && !std::is_same_v<F, Bf16>;
+  const int64_t pairs = a.k / 2, groups_n = (tiles_n + kGroup - 1) / kGroup;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<__m512i> unpacked(kBuffered ? kGroup * pairs : 0);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups_n; ++g) {
+      const int64_t count = std::min(kGroup, tiles_n - g * kGroup);
+      if constexpr (kBuffered)
+        for (int64_t p = 0; p < count * pairs; ++p)
+          unpacked[p] = F::pairs(a.packed + (g * kGroup * pairs + p) * F::kPairBytes);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+        tiles_for<F, kRowBlock, kWide, kPrefetch, kBuffered>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)),
+                                                            a, g * kGroup, count, r0, unpacked.data());
+    }
   }
 }
 
-void all_dense_tiles(const Args& a, int64_t rows, int64_t tiles, bool prefetch) {
+template <class F>
+void all_tiles(const Args& a, int64_t rows, int64_t tiles_n, bool prefetch) {
   if (rows <= kRowBlock)
-    prefetch ? dense_groups<true, true>(a, rows, tiles) : dense_groups<true, false>(a, rows, tiles);
+    prefetch ? groups<F, true, true>(a, rows, tiles_n) : groups<F, true, false>(a, rows, tiles_n);
   else
-    prefetch ? dense_groups<false, true>(a, rows, tiles) : dense_groups<false, false>(a, rows, tiles);
+    prefetch ? groups<F, false, true>(a, rows, tiles_n) : groups<F, false, false>(a, rows, tiles_n);
 }
 
 void check_x(const torch::Tensor& x, int64_t k, int64_t n, const std::optional<torch::Tensor>& bias) {
@@ -234,7 +246,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, groups, group_size, packed.data_ptr<uint8_t>(),
                scales.data_ptr<float>(), mins.data_ptr<float>(), xsum.data_ptr<float>(),
                bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), n};
-  all_tiles<Int4>(a, rows, n / kTile);
+  all_tiles<Int4>(a, rows, n / kTile, true);
   return y;
 }
 
@@ -254,7 +266,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, 1, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
                scales.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<at::BFloat16>(), n};
-  all_tiles<Fp8>(a, rows, n / kTile);
+  all_tiles<Fp8>(a, rows, n / kTile, true);
   return y;
 }
 
@@ -269,7 +281,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, std::optional<t
   auto y = torch::empty({rows, n}, x.options());
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, 1, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
                nullptr, nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), n};
-  all_dense_tiles(a, rows, n / kTile, prefetch);
+  all_tiles<Bf16>(a, rows, n / kTile, prefetch);
   return y;
 }
 
