@@ -34,6 +34,11 @@ def build_kernel_source(source: str, function: str, declaration: str = '#include
     """Another version of one of our C++ CPU kernel sources (say `git show REV:kernels/...cpp > /tmp/old.cpp`),
     built as an extension of its own beside our headers, for A/B timings: returns its `function`. `declaration`
     declares that function to the bindings (ops.h's by default; an older source may have another signature)."""
+    return getattr(build_kernel_module(source, [function], declaration), function)
+
+
+def build_kernel_module(source: str, functions: list[str], declaration: str = '#include "ops.h"'):
+    """As build_kernel_source, binding several of the source's functions in one build: returns the module."""
     import hashlib
     import pathlib
     import tempfile
@@ -45,12 +50,12 @@ def build_kernel_source(source: str, function: str, declaration: str = '#include
     kernels = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "pagedllm_kernels" / "cpu"
     work = pathlib.Path(tempfile.mkdtemp(prefix="pagedllm-other-"))
     bindings = work / "bindings.cpp"
+    defs = " ".join(f'm.def("{f}", &{f});' for f in functions)
     bindings.write_text(f'#include <torch/extension.h>\n{declaration}\n'
-                        f'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("{function}", &{function}); }}\n')
+                        f'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ {defs} }}\n')
     digest = hashlib.sha256(pathlib.Path(source).read_bytes() + declaration.encode()).hexdigest()[:10]
-    module = load(name=f"pagedllm_other_{function}_{digest}", sources=[os.path.abspath(source), str(bindings)],
-                  extra_include_paths=[str(kernels)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
-    return getattr(module, function)
+    return load(name=f"pagedllm_other_{'_'.join(functions)}_{digest}", sources=[os.path.abspath(source), str(bindings)],
+                extra_include_paths=[str(kernels)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
 
 
 def quantized_model_dir(arch: str, size: str, kind: str) -> str:

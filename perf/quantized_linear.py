@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bf16_linear import LAYERS, model_shapes
-from common import build_kernel_source, emit
+from bf16_linear import LAYERS, model_shapes, one_pass
+from common import build_kernel_module, emit
 from pagedllm.models.layers.packed_linear import PackedLinear, pack_linears
 from pagedllm_kernels import fp8_layout, int4_layout
 from pagedllm_kernels.cpu import fp8_linear, int8_linear
@@ -54,12 +54,12 @@ def random_fp8(n: int, k: int):
 
 def build_other(source: str):
     """`source` (a quantized_linear.cpp) built beside our headers: its int4 and fp8 linears, as ours are called."""
-    opt = "#include <optional>\n"
-    int4 = build_kernel_source(source, "int4_linear", opt + "torch::Tensor int4_linear(torch::Tensor, torch::Tensor, "
-                               "torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>);")
-    fp8 = build_kernel_source(source, "fp8_linear", opt + "torch::Tensor fp8_linear(torch::Tensor, torch::Tensor, "
-                              "torch::Tensor, std::optional<torch::Tensor>);")
-    return (lambda x, w: int4(x, *w, None)), (lambda x, w: fp8(x, *w, None))
+    other = build_kernel_module(source, ["int4_linear", "fp8_linear"], "#include <optional>\n"
+                                "torch::Tensor int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, "
+                                "int64_t, std::optional<torch::Tensor>);\n"
+                                "torch::Tensor fp8_linear(torch::Tensor, torch::Tensor, torch::Tensor, "
+                                "std::optional<torch::Tensor>);")
+    return (lambda x, w: other.int4_linear(x, *w, None)), (lambda x, w: other.fp8_linear(x, *w, None))
 
 
 def stream(args) -> None:
@@ -80,20 +80,12 @@ def stream(args) -> None:
     nbytes = {"int4": sum(w[0].numel() for w in int4_weights), "fp8": sum(w[0].numel() for w in fp8_weights)}
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
-            xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
-
-            def one_pass(weights, fn) -> float:
-                start = time.perf_counter()
-                for (_, k), w in zip(shapes, weights):
-                    fn(xs[k], w)
-                return time.perf_counter() - start
-
             for weights, fn in paths.values():  # warm-up
-                one_pass(weights, fn)
+                one_pass(rows, shapes, weights, fn)
             times = {name: [] for name in paths}
             for i in range(args.passes):
                 for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):  # a drifting host favours none
-                    times[name].append(one_pass(*paths[name]))
+                    times[name].append(one_pass(rows, shapes, *paths[name]))
             med = {name: statistics.median(t) for name, t in times.items()}
             ratios = {f"speed_ratio_{f}_over_{other}": round(med[other] / med[f], 3) for f in ("int4", "fp8")
                       for other in (["bf16"] if "bf16" in med else [f"other_{f}"])}

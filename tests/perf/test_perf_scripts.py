@@ -77,6 +77,28 @@ def test_bf16_linear_against_another_source(tmp_path):
     assert records[0]["ours_ms"] > 0 and records[0]["other_ms"] > 0 and records[0]["speed_ratio_ours_over_other"] > 0
 
 
+@needs_kernels
+def test_quantized_linear_streams_against_bf16():
+    records = run("quantized_linear.py", "--stream", "--rows", "1,9", "--passes", "1")
+    assert [(r["model"], r["rows"]) for r in records] == [("125m", 1), ("125m", 9)]
+    for r in records:
+        assert min(r["int4_ms"], r["fp8_ms"], r["bf16_ms"]) > 0
+        assert r["speed_ratio_int4_over_bf16"] > 0 and r["speed_ratio_fp8_over_bf16"] > 0
+
+
+@needs_kernels
+def test_quantized_linear_streams_against_another_source(tmp_path):
+    """--stream --against builds the given quantized_linear.cpp's int4 and fp8 linears (one build) and alternates
+    them with ours (here: the same source, so the check is that all four run and report)."""
+    source = PERF.parent / "kernels" / "pagedllm_kernels" / "cpu" / "quantized_linear.cpp"
+    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
+    (record,) = run("quantized_linear.py", "--stream", "--rows", "8", "--passes", "1", "--model", "0.5b",
+                    "--against", str(tmp_path / "other.cpp"))
+    assert (record["model"], record["rows"]) == ("0.5b", 8)
+    assert min(record[f"{p}_ms"] for p in ("int4", "fp8", "other_int4", "other_fp8")) > 0
+    assert "bf16_ms" not in record and record["speed_ratio_int4_over_other_int4"] > 0
+
+
 def test_avx2_kernels_compare_both_paths():
     from pagedllm_kernels.cpu import avx2_linear
 
