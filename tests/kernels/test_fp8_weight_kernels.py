@@ -33,7 +33,7 @@ CPU_KERNELS = [pytest.param(cpu.linear, marks=pytest.mark.skipif(not cpu_ok, rea
 
 @pytest.mark.parametrize("linear", CPU_KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 64])  # around both kernels' row blocks (8; 3)
-@pytest.mark.parametrize("n,k", [(16, 64), (48, 96), (80, 256)])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 96), (80, 256), (16, 34), (208, 70)])  # pairs past the chains
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_fp8_linear_matches_the_reference(linear, rows, n, k, with_bias):
     w, s = weight(n, k, seed=rows)

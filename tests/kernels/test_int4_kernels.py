@@ -41,7 +41,7 @@ avx2_ok, avx2_why = avx2.avx2_supported()
     pytest.param(cpu.linear, marks=pytest.mark.skipif(not cpu_ok, reason=cpu_why), id="avx512"),
     pytest.param(avx2.int4_linear, marks=pytest.mark.skipif(not avx2_ok, reason=avx2_why), id="avx2")])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64])  # around both kernels' row blocks (8; 4)
-@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 64), (80, 384, 128)])
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 64), (80, 384, 128), (208, 64, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_int4_linear_matches_the_reference(linear, rows, n, k, group, with_bias):
     codes, scales, zeros = weight(n, k, group, seed=rows)

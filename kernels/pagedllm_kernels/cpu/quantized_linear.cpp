@@ -1,5 +1,5 @@
 // Quantized-weight linears for bf16 on the CPU: y = x W^T (+ b), W dequantized inside the matmul, never stored.
-// Both formats give, per tile of 16 output columns and pair of input rows (k, k + 1), one vector of 16 bf16
+// Every format gives, per tile of 16 output columns and pair of input rows (k, k + 1), one vector of 16 bf16
 // pairs, which one AVX512-BF16 pair dot product multiplies by a pair of x.
 //
 // int4 (int4_layout.py): 16 bytes per pair (one per column: k's code in the low nibble, k + 1's in the high);
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -26,7 +27,7 @@
 namespace {
 
 constexpr int kTile = 16;
-constexpr int kRowBlock = 8;  // rows of x per pass over a tile's weight: 2 accumulators each in registers
+constexpr int kRowBlock = 8;  // rows of x per pass over a tile's weight (see tiles for the tiles per pass)
 
 inline __m512i codes_as_bf16_pairs(const uint8_t* p) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -70,17 +71,19 @@ struct Fp8 {
 };
 
 // How far ahead of its reads each tile's weight stream is requested. Where a pass is busy enough per weight byte
-// (bf16 from 5 rows: each vector feeds 15-24 dot products; int4 and fp8 at any rows: each is unpacked first), the
+// (bf16 from 5 rows: each vector feeds 15-24 dot products; int4 and fp8 in batches of up to 8 rows: each is
+// unpacked first; above, the buffer's fill reads the packed weight once, unprefetched), the
 // hardware prefetcher alone no longer keeps the streams ahead on Zen 5. Measured there, alternated: bf16 8 rows
 // 1.08-1.33x, 16 rows 1.23-1.40x, 32-64 rows 1.10-1.2x; int4 at 1-4 rows 1.1-1.25x (in the one-tile pass below).
 // 1.5-12 KiB ahead were within noise of each other. Bf16 at 1-4 rows streams at the host's bandwidth without it
 // (and loses 5-10% with). On Zen 4 software prefetch had only slowed an earlier bf16 version, so bf16's is the
-// caller's choice (`prefetch`, raced at load: linear_race.py); int4 and fp8 always prefetch (measured on Zen 5
-// only). A request past a stream's end reads nothing.
+// caller's choice (`prefetch`, raced at load: linear_race.py); int4 and fp8 always prefetch there (measured on
+// Zen 5 only). A request past a stream's end reads nothing.
 constexpr int64_t kPrefetchBytes = 3072;
 
 // Rows r0..r0+R-1 of y for tiles tile..tile+T-1: one pass over K, each broadcast pair of x feeding T pair dot
-// products, each summed in U independent chains (pair p in chain p mod U) so the dot product's latency is hidden
+// products, each summed in U independent chains (pair p in chain p mod U, a group's last p mod U pairs in chain
+// 0) so the dot product's latency is hidden
 // when R x T alone is too few. The pair vectors are F's, unpacked as they are read, or (kBuffered) already
 // unpacked in `buf`, tile t's at buf + t * K/2. Scaled formats sum each group's dot products apart and fold them
 // into y with the group's scales.
@@ -155,7 +158,8 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
 // int4 and fp8: a whole batch of up to 8 rows takes one tile per pass in 4 chains (2 from 5 rows), so each thread
 // reads one contiguous stream, as the packed tiles lie, while their unpacking, not the broadcasts, bounds the pass;
 // 3-4 tiles per pass (bf16's choice) were 10-20% slower at 1-8 rows. Blocks of many rows read the unpacked buffer
-// 2 tiles at a time (one tile was 8-12% slower at 16-64 rows). Against the one-tile, one-chain pass without
+// as bf16 reads its weight (2 tiles per pass, 4 for a last block of up to 4 rows; one tile was 8-12% slower at
+// 16-64 rows). Against the one-tile, one-chain pass without
 // prefetch and with a buffer per tile before (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5,
 // alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 /
 // 1.62 / 1.24 / 1.37x.
@@ -177,18 +181,20 @@ void tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0,
   tiles<F, R, kWide, kPrefetch, kBuffered>(a, tile, count, r0, buf);
 }
 
-// Each thread takes a run of whole groups of tiles (12 = lcm of 3 and 4 for one block of rows; 4 above, where
-// every block of 8 rows passes over the group's weight while it is still in L2). Above one block a packed
-// format's group is unpacked once into a buffer (4 x K/2 x 64 bytes, in L2) that every block then reads, so
-// the unpacking is not repeated per block.
+// Each thread takes a run of whole groups of tiles: bf16 12 (lcm of 3 and 4) for one block of rows, 4 above, where
+// every block of 8 rows passes over the group's weight while it is still in L2 or nearby; int4 and fp8 single tiles
+// for one block (their pass takes one tile; static runs keep each thread's stream contiguous), 4 above, each group
+// unpacked once into the thread's buffer (4 x K/2 x 64 bytes: 608 KiB at K = 4,864) that every block then reads,
+// so the unpacking is not repeated per block.
 template <class F, bool kWide, bool kPrefetch>
 void groups(const Args& a, int64_t rows, int64_t tiles_n) {
-  constexpr int64_t kGroup = kWide ? 12 : 4;
-  constexpr bool kBuffered = !kWide && !std::is_same_v<F, Bf16>;
+  constexpr bool kPacked = !std::is_same_v<F, Bf16>, kBuffered = kPacked && !kWide;
+  constexpr int64_t kGroup = kWide ? (kPacked ? 1 : 12) : 4;
   const int64_t pairs = a.k / 2, groups_n = (tiles_n + kGroup - 1) / kGroup;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<__m512i> unpacked(kBuffered ? kGroup * pairs : 0);
+    // uninitialised (the fill writes what a block reads); new[] of an over-aligned type aligns it (C++17)
+    const std::unique_ptr<__m512i[]> unpacked(kBuffered ? new __m512i[kGroup * pairs] : nullptr);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups_n; ++g) {
       const int64_t count = std::min(kGroup, tiles_n - g * kGroup);
@@ -197,14 +203,16 @@ void groups(const Args& a, int64_t rows, int64_t tiles_n) {
           unpacked[p] = F::pairs(a.packed + (g * kGroup * pairs + p) * F::kPairBytes);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
         tiles_for<F, kRowBlock, kWide, kPrefetch, kBuffered>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)),
-                                                            a, g * kGroup, count, r0, unpacked.data());
+                                                            a, g * kGroup, count, r0, unpacked.get());
     }
   }
 }
 
 template <class F>
 void all_tiles(const Args& a, int64_t rows, int64_t tiles_n, bool prefetch) {
-  if (rows <= kRowBlock)
+  if constexpr (!std::is_same_v<F, Bf16>)  // int4 and fp8 always prefetch (see kPrefetchBytes)
+    rows <= kRowBlock ? groups<F, true, true>(a, rows, tiles_n) : groups<F, false, true>(a, rows, tiles_n);
+  else if (rows <= kRowBlock)
     prefetch ? groups<F, true, true>(a, rows, tiles_n) : groups<F, true, false>(a, rows, tiles_n);
   else
     prefetch ? groups<F, false, true>(a, rows, tiles_n) : groups<F, false, false>(a, rows, tiles_n);
