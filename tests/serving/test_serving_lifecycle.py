@@ -56,22 +56,19 @@ def test_unload_with_requests_in_flight_then_reload(llama_dir, tmp_path):
         triton_server.stop(server)
 
 
-def test_deadline_overload_and_priority_input_through_triton(llama_dir, tmp_path):
+def test_deadline_overload_and_priority_input_through_triton(tmp_path):
     import json
-    import shutil
 
     import numpy as np
 
+    from pagedllm.tiny_model import make_variant_model
     from serving_client import grpc_call, grpc_inputs
 
     # A must still hold the only slot when B's 1 s deadline passes: on a fast host the tiny model made its 2,000
-    # tokens (its position limit) in under that, so this copy of it takes 16,384 positions.
-    model = tmp_path / "llama-long"
-    shutil.copytree(llama_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    # tokens (its position limit) in under that, so this one takes 16,384 positions.
+    model = make_variant_model(str(tmp_path / "llama-long"), max_position_embeddings=16384)
     engine = dict(ENGINE, max_model_len=16384, max_num_seqs=1, max_queue_size=1, scheduling_policy="priority")
-    server = triton_server.start(tmp_path, str(model), engine)
+    server = triton_server.start(tmp_path, model, engine)
     try:
         long_running = PagedLLMClient(server.grpc_url).stream("def main():", max_tokens=16000, ignore_eos=True)
         next(long_running)  # A holds the only sequence slot

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -49,31 +48,32 @@ struct Args {
   int64_t y_stride;
 };
 
-// A format: its bytes per pair vector, how they become one, whether its groups carry scales, from how many rows
-// its weight stream is prefetched in software, and up to how many rows a whole batch takes one tile per pass.
+// A format: its bytes per pair vector, how they become one, whether it is packed (unpacked as it is read, its
+// groups carrying scales), from how many rows its weight stream is prefetched in software, and up to how many rows
+// a whole batch takes one tile per pass.
 struct Bf16 {
   static constexpr int64_t kPairBytes = 64;
-  static constexpr bool kScaled = false;
+  static constexpr bool kPacked = false;
   static constexpr int kPrefetchFrom = 5, kOneTileRows = 0;
   static __m512i pairs(const uint8_t* p) { return _mm512_loadu_si512(p); }
 };
 struct Int4 {
   static constexpr int64_t kPairBytes = 16;
-  static constexpr bool kScaled = true;
+  static constexpr bool kPacked = true;
   static constexpr int kPrefetchFrom = 1, kOneTileRows = 8;
   static __m512i pairs(const uint8_t* p) { return codes_as_bf16_pairs(p); }
 };
 struct Fp8 {
   static constexpr int64_t kPairBytes = 32;
-  static constexpr bool kScaled = true;
+  static constexpr bool kPacked = true;
   static constexpr int kPrefetchFrom = 1, kOneTileRows = 8;
   static __m512i pairs(const uint8_t* p) { return fp8_pairs(p); }
 };
 
 // How far ahead of its reads each tile's weight stream is requested. Where a pass is busy enough per weight byte
 // (bf16 from 5 rows: each vector feeds 15-24 dot products; int4 and fp8 in batches of up to 8 rows: each is
-// unpacked first; above, the buffer's fill reads the packed weight once, unprefetched), the
-// hardware prefetcher alone no longer keeps the streams ahead on Zen 5. Measured there, alternated: bf16 8 rows
+// unpacked first; above, the buffer's fill reads the packed weight once, unprefetched), the hardware prefetcher
+// alone no longer keeps the streams ahead on Zen 5. Measured there, alternated: bf16 8 rows
 // 1.08-1.33x, 16 rows 1.23-1.40x, 32-64 rows 1.10-1.2x; int4 at 1-4 rows 1.1-1.25x (in the one-tile pass below).
 // 1.5-12 KiB ahead were within noise of each other. Bf16 at 1-4 rows streams at the host's bandwidth without it
 // (and loses 5-10% with). On Zen 4 software prefetch had only slowed an earlier bf16 version, so bf16's is the
@@ -83,10 +83,9 @@ constexpr int64_t kPrefetchBytes = 3072;
 
 // Rows r0..r0+R-1 of y for tiles tile..tile+T-1: one pass over K, each broadcast pair of x feeding T pair dot
 // products, each summed in U independent chains (pair p in chain p mod U, a group's last p mod U pairs in chain
-// 0) so the dot product's latency is hidden
-// when R x T alone is too few. The pair vectors are F's, unpacked as they are read, or (kBuffered) already
-// unpacked in `buf`, tile t's at buf + t * K/2. Scaled formats sum each group's dot products apart and fold them
-// into y with the group's scales.
+// 0) so the dot product's latency is hidden when R x T alone is too few. The pair vectors are F's, unpacked as
+// they are read, or (kBuffered) already unpacked in `buf`, tile t's at buf + t * K/2. Packed formats sum each
+// group's dot products apart and fold them into y with the group's scales.
 template <class F, int R, int T, int U, bool kPrefetch, bool kBuffered>
 void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
   constexpr int64_t kBytes = kBuffered ? 64 : F::kPairBytes;
@@ -127,7 +126,7 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
         d[t][r] = du[0][t][r];
         for (int u = 1; u < U; ++u) d[t][r] = _mm512_add_ps(d[t][r], du[u][t][r]);
       }
-    if constexpr (!F::kScaled) {  // one group, no scale
+    if constexpr (!F::kPacked) {  // one group, no scale
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r) y[t][r] = d[t][r];
       continue;
@@ -159,10 +158,9 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
 // reads one contiguous stream, as the packed tiles lie, while their unpacking, not the broadcasts, bounds the pass;
 // 3-4 tiles per pass (bf16's choice) were 10-20% slower at 1-8 rows. Blocks of many rows read the unpacked buffer
 // as bf16 reads its weight (2 tiles per pass, 4 for a last block of up to 4 rows; one tile was 8-12% slower at
-// 16-64 rows). Against the one-tile, one-chain pass without
-// prefetch and with a buffer per tile before (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5,
-// alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 /
-// 1.62 / 1.24 / 1.37x.
+// 16-64 rows). Against the one-tile, one-chain pass without prefetch and with a buffer per tile before
+// (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5, alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows
+// 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 / 1.62 / 1.24 / 1.37x.
 template <class F, int R, bool kWide, bool kPrefetch, bool kBuffered>
 void tiles(const Args& a, int64_t tile, int64_t count, int64_t r0, const __m512i* buf) {
   constexpr bool kOneTile = kWide && R <= F::kOneTileRows;
@@ -188,8 +186,8 @@ void tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0,
 // so the unpacking is not repeated per block.
 template <class F, bool kWide, bool kPrefetch>
 void groups(const Args& a, int64_t rows, int64_t tiles_n) {
-  constexpr bool kPacked = !std::is_same_v<F, Bf16>, kBuffered = kPacked && !kWide;
-  constexpr int64_t kGroup = kWide ? (kPacked ? 1 : 12) : 4;
+  constexpr bool kBuffered = F::kPacked && !kWide;
+  constexpr int64_t kGroup = kWide ? (F::kPacked ? 1 : 12) : 4;
   const int64_t pairs = a.k / 2, groups_n = (tiles_n + kGroup - 1) / kGroup;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -208,9 +206,10 @@ void groups(const Args& a, int64_t rows, int64_t tiles_n) {
   }
 }
 
+// `prefetch`: bf16's choice; int4 and fp8 always prefetch (see kPrefetchBytes).
 template <class F>
-void all_tiles(const Args& a, int64_t rows, int64_t tiles_n, bool prefetch) {
-  if constexpr (!std::is_same_v<F, Bf16>)  // int4 and fp8 always prefetch (see kPrefetchBytes)
+void all_tiles(const Args& a, int64_t rows, int64_t tiles_n, bool prefetch = true) {
+  if constexpr (F::kPacked)
     rows <= kRowBlock ? groups<F, true, true>(a, rows, tiles_n) : groups<F, false, true>(a, rows, tiles_n);
   else if (rows <= kRowBlock)
     prefetch ? groups<F, true, true>(a, rows, tiles_n) : groups<F, true, false>(a, rows, tiles_n);
@@ -254,7 +253,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, groups, group_size, packed.data_ptr<uint8_t>(),
                scales.data_ptr<float>(), mins.data_ptr<float>(), xsum.data_ptr<float>(),
                bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<at::BFloat16>(), n};
-  all_tiles<Int4>(a, rows, n / kTile, true);
+  all_tiles<Int4>(a, rows, n / kTile);
   return y;
 }
 
@@ -274,7 +273,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   const Args a{x.data_ptr<at::BFloat16>(), x.stride(0), k, 1, k, reinterpret_cast<const uint8_t*>(packed.data_ptr()),
                scales.data_ptr<float>(), nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
                y.data_ptr<at::BFloat16>(), n};
-  all_tiles<Fp8>(a, rows, n / kTile, true);
+  all_tiles<Fp8>(a, rows, n / kTile);
   return y;
 }
 
