@@ -37,6 +37,24 @@ def test_the_prefetch_changes_no_result(rows):
     assert torch.equal(bf16_tiles.linear(x, packed, prefetch=True), bf16_tiles.linear(x, packed, prefetch=False))
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_every_tile_is_computed_once_whatever_the_thread_count(threads, rows):
+    """A batch of up to 8 rows is cut into one run of tiles per thread, at whole passes (4 tiles, or 3 from 5
+    rows): 56 tiles (0.5B's o and down projections) over thread counts that leave runs uneven or empty."""
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(896, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    packed = bf16_tiles.pack(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = bf16_tiles.linear(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.float(), bf16_tiles.reference(x, packed, None).float(), atol=0.05, rtol=1e-2)
+
+
 def test_strided_rows_are_read_as_they_are():
     w = torch.randn(32, 64).to(torch.bfloat16)
     wide = torch.randn(3, 128).to(torch.bfloat16)

@@ -161,10 +161,16 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
 // 16-64 rows). Against the one-tile, one-chain pass without prefetch and with a buffer per tile before
 // (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5, alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows
 // 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 / 1.62 / 1.24 / 1.37x.
+// Tiles per pass over the weight for `rows` rows, `wide` when they are the whole batch (see tiles below).
+template <class F>
+constexpr int pass_tiles(int rows, bool wide) {
+  return wide && rows <= F::kOneTileRows ? 1 : rows <= 4 ? 4 : (wide ? 3 : 2);
+}
+
 template <class F, int R, bool kWide, bool kPrefetch, bool kBuffered>
 void tiles(const Args& a, int64_t tile, int64_t count, int64_t r0, const __m512i* buf) {
   constexpr bool kOneTile = kWide && R <= F::kOneTileRows;
-  constexpr int T = kOneTile ? 1 : R <= 4 ? 4 : (kWide ? 3 : 2), U = kOneTile ? (R <= 4 ? 4 : 2) : 1;
+  constexpr int T = pass_tiles<F>(R, kWide), U = kOneTile ? (R <= 4 ? 4 : 2) : 1;
   const int64_t pairs = a.k / 2;
   int64_t t = 0;
   const auto at = [&](int64_t i) { return kBuffered ? buf + i * pairs : nullptr; };  // tile i's unpacked vectors
@@ -179,17 +185,30 @@ void tiles_for(int rows, const Args& a, int64_t tile, int64_t count, int64_t r0,
   tiles<F, R, kWide, kPrefetch, kBuffered>(a, tile, count, r0, buf);
 }
 
-// Each thread takes a run of whole groups of tiles: bf16 12 (lcm of 3 and 4) for one block of rows, 4 above, where
-// every block of 8 rows passes over the group's weight while it is still in L2 or nearby; int4 and fp8 single tiles
-// for one block (their pass takes one tile; static runs keep each thread's stream contiguous), 4 above, each group
-// unpacked once into the thread's buffer (4 x K/2 x 64 bytes: 608 KiB at K = 4,864) that every block then reads,
-// so the unpacking is not repeated per block.
+// A batch of up to 8 rows (`kWide`, one block): each thread one contiguous run of tiles, the runs as even as whole
+// passes allow (12-tile runs before had left 0.5B's o and down projections, 56 tiles, split 36 / 20 between two
+// threads: ~9% of a decode step's linear time). More rows: groups of 4 tiles, handed out in static runs, every
+// block of 8 rows passing over a group's weight while it is still in L2 or nearby; int4 and fp8 unpack each group
+// once into the thread's buffer (4 x K/2 x 64 bytes: 608 KiB at K = 4,864) that every block then reads, so the
+// unpacking is not repeated per block.
 template <class F, bool kWide, bool kPrefetch>
 void groups(const Args& a, int64_t rows, int64_t tiles_n) {
-  constexpr bool kBuffered = F::kPacked && !kWide;
-  constexpr int64_t kGroup = kWide ? (F::kPacked ? 1 : 12) : 4;
+  const int64_t threads = at::get_num_threads();
+  if constexpr (kWide) {
+    const int64_t step = pass_tiles<F>(static_cast<int>(rows), true), passes = (tiles_n + step - 1) / step;
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int64_t i = 0; i < threads; ++i) {
+      const int64_t t0 = std::min(tiles_n, passes * i / threads * step);
+      const int64_t t1 = std::min(tiles_n, passes * (i + 1) / threads * step);
+      if (t1 > t0)
+        tiles_for<F, kRowBlock, true, kPrefetch, false>(static_cast<int>(rows), a, t0, t1 - t0, 0, nullptr);
+    }
+    return;
+  }
+  constexpr bool kBuffered = F::kPacked;
+  constexpr int64_t kGroup = 4;
   const int64_t pairs = a.k / 2, groups_n = (tiles_n + kGroup - 1) / kGroup;
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
   {
     // uninitialised (the fill writes what a block reads); new[] of an over-aligned type aligns it (C++17)
     const std::unique_ptr<__m512i[]> unpacked(kBuffered ? new __m512i[kGroup * pairs] : nullptr);
@@ -200,8 +219,8 @@ void groups(const Args& a, int64_t rows, int64_t tiles_n) {
         for (int64_t p = 0; p < count * pairs; ++p)
           unpacked[p] = F::pairs(a.packed + (g * kGroup * pairs + p) * F::kPairBytes);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
-        tiles_for<F, kRowBlock, kWide, kPrefetch, kBuffered>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)),
-                                                            a, g * kGroup, count, r0, unpacked.get());
+        tiles_for<F, kRowBlock, false, kPrefetch, kBuffered>(static_cast<int>(std::min<int64_t>(kRowBlock, rows - r0)),
+                                                             a, g * kGroup, count, r0, unpacked.get());
     }
   }
 }
