@@ -45,7 +45,7 @@ def attend(q, kc, vc, tables, lens, starts, scale, window=None, k_scale=1.0, v_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (12, 4, 64), (14, 2, 64), (8, 1, 128),
                                                      (6, 2, 96), (16, 1, 64)])
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64])
 def test_prompts_chunks_and_decodes_match_the_reference(dtype, heads, kv_heads, head_dim, block_size):
     q, kc, vc, tables, lens, starts = make(heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
