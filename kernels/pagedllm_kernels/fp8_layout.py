@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm_kernels import huge_pages
+
 TILE = 16
 
 
@@ -23,7 +25,7 @@ def arrange(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] of any dtype -> [N/16, K/2, 16, 2]: this layout's arrangement (also the dense bf16 kernel's,
     cpu/bf16_tiles.py)."""
     n, k = weight.shape
-    return weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return huge_pages.copy_of(weight.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3))  # streamed whole per step
 
 
 def unarrange(packed: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm_kernels import huge_pages
+
 TILE = 16
 
 
@@ -29,7 +31,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
     n, k = codes.shape
     check_shapes(n, k, group_size)
     pairs = codes.view(n // TILE, TILE, k // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [N/16, K/2, 16]
+    packed = huge_pages.copy_of((pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1))  # [N/16, K/2, 16]
     s = scales.float()
     m = s * zeros.float()
     tiles = lambda t: t.view(n // TILE, TILE, -1).permute(0, 2, 1).contiguous()  # noqa: E731

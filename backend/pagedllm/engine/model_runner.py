@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from pagedllm_kernels import huge_pages
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.engine.kv_sizing import KVGeometry
@@ -22,9 +23,9 @@ class ModelRunner:
         self.device = device
         geo = KVGeometry.of(model)
         shape = (2, num_blocks, block_size, geo.num_kv_heads, geo.head_dim)
-        # torch.zeros writes every page: the whole budget is resident from the start (measured), so memory does
-        # not grow as blocks come into use.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geo.num_layers)]
+        # Zeros write every page: the whole budget is resident from the start (measured), so memory does not grow
+        # as blocks come into use. On the CPU on huge pages: a sequence's blocks lie anywhere in the pool.
+        self.kv_caches = [huge_pages.zeros(shape, dtype, device) for _ in range(geo.num_layers)]
         self.graphs = None  # DecodeGraphs (engine/decode_graphs.py): pure decode steps replayed per bucket
 
     @torch.inference_mode()
