@@ -22,8 +22,7 @@ using pagedllm::kUnit;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeads = 128;  // query heads per row
-constexpr int kMaxBlock = 64;   // tokens per block, and per span (consecutive blocks attended together)
-constexpr int kMaxSpanBlocks = kMaxBlock / 16;
+constexpr int kMaxBlock = 64;   // tokens per block
 constexpr int kTileSlots = 48;  // query vectors per item of a prompt's tile (tokens x query heads of a KV head)
 constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's heads, or a tile (<= kTileSlots, or a group)
 
@@ -63,62 +62,45 @@ struct CacheUnits<at::BFloat16, c10::Float8_e4m3fn> {
   static __m512 load(const c10::Float8_e4m3fn* p) { return pagedllm::fp8x32_to_bf16(p); }
 };
 
-// Unscaled scores of NG query heads for NC 16-token chunks of K (chunk i's unit j at kc[i] + j * stride units):
-// each broadcast query unit feeds NC dot products and each K vector NG. One chunk alone alternates two
-// accumulators per head (even and odd units), so there are enough independent chains either way.
-template <typename T, typename C, int U, int NG, int NC>
-inline void scores_chunks(const T* const* qh, const C* const* kc, int64_t stride, __m512* s) {
-  constexpr int P = kUnit<T>, E = NC == 1 ? 2 : 1;
+// Unscaled scores of NG query heads for the 16 tokens c..c+15 of one (block, KV head) K run.
+// Two accumulators per head (even and odd units) halve the dependency chains.
+template <typename T, typename C, int U, int NG>
+inline void scores16(const T* const* qh, const C* kb, int64_t block_size, int64_t c, __m512* s) {
+  constexpr int P = kUnit<T>;
   static_assert(kUnit<C> == P, "the cache's units hold as many elements as the query's");
-  static_assert(U % E == 0, "units come in pairs");
-  __m512 acc[E][NG][NC];
-  for (int e = 0; e < E; ++e)
-    for (int g = 0; g < NG; ++g)
-      for (int i = 0; i < NC; ++i) acc[e][g][i] = _mm512_setzero_ps();
-  for (int j = 0; j < U; j += E)
-    for (int e = 0; e < E; ++e) {
-      __m512 k[NC];
-      for (int i = 0; i < NC; ++i) k[i] = CacheUnits<T, C>::load(kc[i] + (j + e) * stride * P);
-      for (int g = 0; g < NG; ++g) {
-        const __m512 qb = Units<T>::broadcast(qh[g] + (j + e) * P);
-        for (int i = 0; i < NC; ++i) acc[e][g][i] = Units<T>::dot(acc[e][g][i], k[i], qb);
-      }
+  __m512 even[NG], odd[NG];
+  for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
+  for (int j = 0; j < U; j += 2) {
+    const __m512 k0 = CacheUnits<T, C>::load(kb + (j * block_size + c) * P);
+    const __m512 k1 = CacheUnits<T, C>::load(kb + ((j + 1) * block_size + c) * P);
+    for (int g = 0; g < NG; ++g) {
+      even[g] = Units<T>::dot(even[g], k0, Units<T>::broadcast(qh[g] + j * P));
+      odd[g] = Units<T>::dot(odd[g], k1, Units<T>::broadcast(qh[g] + (j + 1) * P));
     }
-  for (int g = 0; g < NG; ++g)
-    for (int i = 0; i < NC; ++i) s[g * NC + i] = E == 1 ? acc[0][g][i] : _mm512_add_ps(acc[0][g][i], acc[E - 1][g][i]);
+  }
+  for (int g = 0; g < NG; ++g) s[g] = _mm512_add_ps(even[g], odd[g]);
 }
 
-// One block's share of a span's values: its V run's units u0..u1-1, whose probabilities start at p0 (the
-// block's first token in the span). keep_first/keep_last mask the elements of the edge units that belong to
-// tokens outside the live range (their probabilities are 0, but the cache there may hold anything, even NaN).
-template <typename C>
-struct ValueRun {
-  const C* vb;
-  int64_t u0, u1, p0;
-  __mmask32 keep_first, keep_last;
-};
-
-// acc[g] += sum over the runs' units of probs[g] . V, for NG heads with their CH accumulators in registers
-// across the span's blocks.
+// acc[g] += sum over units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in registers.
+// keep_first/keep_last mask the elements of the edge units that belong to tokens outside the live range
+// (their probabilities are 0, but the cache there may hold anything, even NaN).
 template <typename T, typename C, int CH, int NG>
-inline void weighted_values(const ValueRun<C>* runs, int nruns, T* const* probs, float* const* acc) {
+inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                            __mmask32 keep_first, __mmask32 keep_last) {
   constexpr int P = kUnit<T>, D = 16 * CH;
   __m512 a[NG][CH];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
-  for (int r = 0; r < nruns; ++r) {
-    const ValueRun<C>& run = runs[r];
-    for (int64_t u = run.u0; u < run.u1; ++u) {
-      const C* vr = run.vb + u * D * P;
-      __m512 vv[CH];
-      for (int c = 0; c < CH; ++c) vv[c] = CacheUnits<T, C>::load(vr + 16 * c * P);
-      const __mmask32 keep = (u == run.u0 ? run.keep_first : ~0u) & (u == run.u1 - 1 ? run.keep_last : ~0u);
-      if (keep != ~0u)
-        for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
-      for (int g = 0; g < NG; ++g) {
-        const __m512 p = Units<T>::broadcast(probs[g] + run.p0 + u * P);
-        for (int c = 0; c < CH; ++c) a[g][c] = Units<T>::dot(a[g][c], vv[c], p);
-      }
+  for (int64_t u = u0; u < u1; ++u) {
+    const C* vr = vb + u * D * P;
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = CacheUnits<T, C>::load(vr + 16 * c * P);
+    const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
+    if (keep != ~0u)
+      for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = Units<T>::broadcast(probs[g] + u * P);
+      for (int c = 0; c < CH; ++c) a[g][c] = Units<T>::dot(a[g][c], vv[c], p);
     }
   }
   for (int g = 0; g < NG; ++g)
@@ -126,17 +108,18 @@ inline void weighted_values(const ValueRun<C>* runs, int nruns, T* const* probs,
 }
 
 // The two passes for a run-time head count ng <= NG (templates need it at compile time).
-template <typename T, typename C, int U, int NG, int NC>
-inline void scores_chunks_for(int ng, const T* const* qh, const C* const* kc, int64_t stride, __m512* s) {
+template <typename T, typename C, int U, int NG>
+inline void scores16_for(int ng, const T* const* qh, const C* kb, int64_t block_size, int64_t c, __m512* s) {
   if constexpr (NG > 1)
-    if (ng < NG) return scores_chunks_for<T, C, U, NG - 1, NC>(ng, qh, kc, stride, s);
-  scores_chunks<T, C, U, NG, NC>(qh, kc, stride, s);
+    if (ng < NG) return scores16_for<T, C, U, NG - 1>(ng, qh, kb, block_size, c, s);
+  scores16<T, C, U, NG>(qh, kb, block_size, c, s);
 }
 template <typename T, typename C, int CH, int NG>
-inline void weighted_values_for(int ng, const ValueRun<C>* runs, int nruns, T* const* probs, float* const* acc) {
+inline void weighted_values_for(int ng, const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
+                                __mmask32 keep_first, __mmask32 keep_last) {
   if constexpr (NG > 1)
-    if (ng < NG) return weighted_values_for<T, C, CH, NG - 1>(ng, runs, nruns, probs, acc);
-  weighted_values<T, C, CH, NG>(runs, nruns, probs, acc);
+    if (ng < NG) return weighted_values_for<T, C, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
+  weighted_values<T, C, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
 }
 
 // Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
@@ -194,78 +177,60 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     }
     const int64_t lo = first[0], hi = len[per_kv - 1];  // the union of the slots' ranges
     const int64_t* table = block_tables + it.row * table_stride;
-    const int64_t last_block = (hi - 1) / block_size;
-    // A prompt's tile (more slots than a token has query heads per KV head) attends spans of up to 64 tokens,
-    // its slots' softmax bookkeeping and value accumulators' loads and stores once per span, not per block
-    // (0.5B prefill of 1,864 tokens, block size 16: 1.19x). A decode goes block by block, each requested one
-    // block ahead: a span's blocks requested at once ran 0.85-0.99x as fast.
-    const int64_t span_blocks = per_kv > kMaxGroup ? std::max<int64_t>(1, kMaxBlock / block_size) : 1;
-    for (int64_t idx = lo / block_size; idx <= last_block; idx += span_blocks) {
-      // A span: up to span_blocks consecutive blocks of the table, positions [start, start + nblk * block_size).
-      const int64_t start = idx * block_size, nblk = std::min(span_blocks, last_block + 1 - idx);
-      int64_t base[kMaxSpanBlocks];
-      for (int64_t i = 0; i < nblk; ++i) base[i] = (table[idx + i] * num_kv_heads + it.k0) * run;
-      // Blocks are scattered: the next span's are requested while this one computes, each KV head's share just
+    for (int64_t start = lo - lo % block_size; start < hi; start += block_size) {
+      const int64_t idx = start / block_size;
+      const int64_t base = (table[idx] * num_kv_heads + it.k0) * run;
+      // Blocks are scattered: the next one is requested while this one computes, each KV head's share just
       // before that head's work here (below), every line (no adjacent-line help). Spread out so, decode
       // attention ran 1.13-1.27x as fast as with the whole block requested at once (perf/README.md, session 19).
-      const int64_t next_n = std::min(span_blocks, std::max<int64_t>(0, last_block + 1 - idx - nblk));
-      const char* kn[kMaxSpanBlocks];
-      const char* vn[kMaxSpanBlocks];
-      for (int64_t i = 0; i < next_n; ++i) {
-        const int64_t next = (table[idx + nblk + i] * num_kv_heads + it.k0) * run;
-        kn[i] = reinterpret_cast<const char*>(k_cache + next);
-        vn[i] = reinterpret_cast<const char*>(v_cache + next);
+      const char* kn = nullptr;
+      const char* vn = nullptr;
+      if (start + block_size < hi) {
+        const int64_t next = (table[idx + 1] * num_kv_heads + it.k0) * run;
+        kn = reinterpret_cast<const char*>(k_cache + next);
+        vn = reinterpret_cast<const char*>(v_cache + next);
       }
-      const int64_t a = std::max(start, lo) - start, b = std::min(start + nblk * block_size, hi) - start;
-      const int64_t c0 = a - a % 16;
+      const int64_t a = std::max(start, lo) - start, b = std::min(start + block_size, hi) - start;
+      const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
+      // bf16: an edge unit (a token pair) may hold a position outside [a, b), which may not be written yet:
+      // keep only the live one's elements. Inside [a, b) every position is written; a slot's dead ones there
+      // get probability 0.
+      const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
       for (int64_t kvh = it.k0; kvh < it.k1; ++kvh) {
-        const int64_t head = (kvh - it.k0) * run;
+        const C* kb = k_cache + base + (kvh - it.k0) * run;
+        const C* vb = v_cache + base + (kvh - it.k0) * run;
         const int64_t s0 = (kvh - it.k0) * per_kv;  // this KV head's first slot
-        const int64_t o0 = head * static_cast<int64_t>(sizeof(C));
-        for (int64_t i = 0; i < next_n; ++i)
+        if (kn != nullptr) {
+          const int64_t o0 = (kvh - it.k0) * run * static_cast<int64_t>(sizeof(C));
           for (int64_t off = o0; off < o0 + run * static_cast<int64_t>(sizeof(C)); off += 64) {
-            _mm_prefetch(kn[i] + off, _MM_HINT_T0);
-            _mm_prefetch(vn[i] + off, _MM_HINT_T0);
+            _mm_prefetch(kn + off, _MM_HINT_T0);
+            _mm_prefetch(vn + off, _MM_HINT_T0);
           }
-        // Each 16-token chunk's K units in the span (a chunk never straddles two blocks).
-        const C* k_chunk[kMaxBlock / 16];
-        for (int64_t i = 0, ci = 0; i < nblk; ++i)
-          for (int64_t o = 0; o < block_size; o += 16) k_chunk[ci++] = k_cache + base[i] + head + o * P;
+        }
         for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
           const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
-          int64_t c = c0;
-          for (; c + 16 < b; c += 32) {  // chunks in pairs: each broadcast of a query unit feeds two
-            const C* kc[2] = {k_chunk[c / 16], k_chunk[c / 16 + 1]};
-            __m512 sc[2 * SB];
-            scores_chunks_for<T, C, U, SB, 2>(ng, qh + s0 + j0, kc, block_size, sc);
-            for (int g = 0; g < ng; ++g) {
-              _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[2 * g], _mm512_set1_ps(score_scale)));
-              _mm512_store_ps(scores[j0 + g] + c + 16, _mm512_mul_ps(sc[2 * g + 1], _mm512_set1_ps(score_scale)));
-            }
-          }
-          if (c < b) {
-            const C* kc[1] = {k_chunk[c / 16]};
+          for (int64_t c = c0; c < b; c += 16) {
             __m512 sc[SB];
-            scores_chunks_for<T, C, U, SB, 1>(ng, qh + s0 + j0, kc, block_size, sc);
+            scores16_for<T, C, U, SB>(ng, qh + s0 + j0, kb, block_size, c, sc);
             for (int g = 0; g < ng; ++g)
               _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[g], _mm512_set1_ps(score_scale)));
           }
         }
-        for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the span's max, rescale, probabilities
+        for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the block's max, rescale, probabilities
           const int64_t s = s0 + j;
           const int64_t aj = std::max(a, first[j] - start), bj = std::min(b, len[j] - start);
-          // Horizontal reductions are the costly part: the span's lane-wise max is reduced only when some
+          // Horizontal reductions are the costly part: the block's lane-wise max is reduced only when some
           // lane exceeds the running max, and the denominator is kept as 16 partial sums until the end.
           __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
           for (int64_t c = c0; c < b; c += 16)
             lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, aj, bj), lane_max, _mm512_load_ps(scores[j] + c));
           if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[s]), _CMP_GT_OQ)) {
-            const float span_max = _mm512_reduce_max_ps(lane_max);
-            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[s] - span_max));
+            const float block_max = _mm512_reduce_max_ps(lane_max);
+            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[s] - block_max));
             _mm512_store_ps(denom[s], _mm512_mul_ps(_mm512_load_ps(denom[s]), rescale));
             for (int c = 0; c < CH; ++c)
               _mm512_store_ps(acc[s] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[s] + 16 * c), rescale));
-            running_max[s] = span_max;
+            running_max[s] = block_max;
           }
           const __m512 m = _mm512_set1_ps(running_max[s]);
           __m512 sum = _mm512_load_ps(denom[s]);
@@ -279,21 +244,9 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
           }
           _mm512_store_ps(denom[s], sum);
         }
-        // Each block's live units of V. bf16: an edge unit (a token pair) may hold a position outside [a, b),
-        // which may not be written yet: keep only the live one's elements. Inside [a, b) every position is
-        // written; a slot's dead ones there get probability 0.
-        ValueRun<C> runs[kMaxSpanBlocks];
-        int nruns = 0;
-        for (int64_t i = 0; i < nblk; ++i) {
-          const int64_t ba = std::max(a, i * block_size) - i * block_size;
-          const int64_t bb = std::min(b, (i + 1) * block_size) - i * block_size;
-          if (bb <= ba) continue;
-          runs[nruns++] = {v_cache + base[i] + head, ba / P, (bb + P - 1) / P, i * block_size,
-                           (ba % P) ? 0xAAAAAAAAu : ~0u, (bb % P) ? 0x55555555u : ~0u};
-        }
         for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
-          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), runs, nruns,
-                                            probs_h + j0, acc_h + s0 + j0);
+          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vb, probs_h + j0,
+                                         acc_h + s0 + j0, u0, u1, keep_first, keep_last);
       }
     }
     for (int64_t s = 0; s < served; ++s) {
