@@ -9,9 +9,9 @@ stream (the bf16 / fp8 / int4 weight tiles, the KV cache) are allocated here: 2 
 2 MiB boundary, advised, then written. Where madvise is missing or refused (THP "never", another OS), they are
 plain allocations and nothing else changes.
 
-Measured on the 2-core Zen 5 host, two processes alternated step by step (0.5B shapes, batch 1): the model's
-linears 1.07-1.11x, one 2,100-token context's attention over 24 layers 1.29x with its blocks scattered (1.0x with
-them consecutive).
+Measured on the 2-core Zen 5 host, two processes alternated step by step (0.5B shapes, batch 1, against 4 KiB
+pages; perf/README.md, session 22): one 2,100-token context's attention over 24 layers 1.24x with its blocks
+scattered, 0.96-1.05x with them consecutive; the model's linears 0.94-1.03x (within the host's noise).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     The memory is a fresh anonymous mapping of its own, not torch's allocator's: glibc serves large requests from
     recycled heap memory too, already backed by 4 KiB pages, which advice no longer changes. The tensor holds the
     mapping; it is unmapped when the last view of it goes."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < _MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # anonymous: fd -1 (shared would be shmem)

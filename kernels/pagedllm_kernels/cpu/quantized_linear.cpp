@@ -149,6 +149,12 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
   }
 }
 
+// Tiles per pass over the weight for `rows` rows, `wide` when they are the whole batch (why: see tiles below).
+template <class F>
+constexpr int pass_tiles(int rows, bool wide) {
+  return wide && rows <= F::kOneTileRows ? 1 : rows <= 4 ? 4 : (wide ? 3 : 2);
+}
+
 // Tiles [tile, tile + count) for rows r0..r0+R-1, T at a time, the last (count % T) one at a time.
 // bf16: 4 tiles for up to 4 rows; for 5-8, 3 tiles when the rows are the whole batch (`kWide`: 24 accumulators, 8
 // rows 11% faster than 2 tiles on Zen 5, in one process) and 2 when they are one block of many (3 was 4-10% slower
@@ -161,12 +167,6 @@ void tiles_rows(const Args& a, int64_t tile, int64_t r0, const __m512i* buf) {
 // 16-64 rows). Against the one-tile, one-chain pass without prefetch and with a buffer per tile before
 // (perf/quantized_linear.py --stream --model 0.5b --against, Zen 5, alternated): int4 1 / 2 / 4 / 8 / 16 / 64 rows
 // 1.24 / 1.27 / 1.43 / 1.40 / 1.26 / 1.36x, fp8 1.03 / 1.08 / 1.11 / 1.62 / 1.24 / 1.37x.
-// Tiles per pass over the weight for `rows` rows, `wide` when they are the whole batch (see tiles below).
-template <class F>
-constexpr int pass_tiles(int rows, bool wide) {
-  return wide && rows <= F::kOneTileRows ? 1 : rows <= 4 ? 4 : (wide ? 3 : 2);
-}
-
 template <class F, int R, bool kWide, bool kPrefetch, bool kBuffered>
 void tiles(const Args& a, int64_t tile, int64_t count, int64_t r0, const __m512i* buf) {
   constexpr bool kOneTile = kWide && R <= F::kOneTileRows;
