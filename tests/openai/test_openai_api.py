@@ -22,7 +22,7 @@ import openai
 import psutil
 import pytest
 import triton_server
-from pagedllm.net import free_port
+from pagedllm.net import free_ports
 from transformers import AutoTokenizer
 
 pytestmark = [pytest.mark.server]
@@ -49,7 +49,7 @@ class Served(triton_server.Server):
 @pytest.fixture(scope="module")
 def served(llama_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    http, grpc, metrics, port = (free_port() for _ in range(4))
+    http, grpc, metrics, port = free_ports(4)
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", llama_dir, "--workdir", str(work),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--openai-port", str(port), "--drain-timeout", "20"]

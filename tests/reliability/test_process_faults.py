@@ -26,7 +26,7 @@ import pytest
 import triton_server
 from conftest import wait_for
 from pagedllm import LLM, SamplingParams
-from pagedllm.net import free_port
+from pagedllm.net import free_ports
 from serving_client import grpc_call, grpc_inputs, post
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -93,7 +93,7 @@ def _serve(llama_dir, tmp_path, drain_timeout: int, tp: int = 2, host: str = "12
            until_banner: bool = True):
     """`pagedllm serve` in a subprocess; returns once it prints its banner (it is serving on every port), or with
     `until_banner=False` as soon as tritonserver answers, which may be before the OpenAI front end is up."""
-    ports = [free_port() for _ in range(4)]  # HTTP, gRPC, metrics, and the OpenAI front end `serve` starts too
+    ports = free_ports(4)  # HTTP, gRPC, metrics, and the OpenAI front end `serve` starts too
     engine_args = ["--engine-arg", "dtype=\"float32\"", "--engine-arg", "max_model_len=512",
                    "--engine-arg", f"kv_cache_memory_bytes={8 << 20}", "--engine-arg", f"tensor_parallel_size={tp}"]
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", llama_dir, "--workdir", str(tmp_path / "w"),

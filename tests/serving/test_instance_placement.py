@@ -11,7 +11,7 @@ import pytest
 from serving_client import post
 from triton_server import Server
 
-from pagedllm.net import free_port
+from pagedllm.net import free_ports
 from pagedllm.serving import launcher
 from pagedllm.serving.placement import instance_device
 
@@ -34,7 +34,7 @@ def _serve_as(tmp_path, kind: str, engine: dict, llama_dir):
     text = config.read_text()
     assert "instance_group [ { count: 1, kind: KIND_MODEL } ]" in text
     config.write_text(text.replace("kind: KIND_MODEL", f"kind: {kind}"))
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     log = tmp_path / "tritonserver.log"
     proc = launcher.start_server(repo, launcher.prepare_backends(tmp_path / "backends"), *ports, log_path=log)
     return Server(proc, *ports, log)

