@@ -2,7 +2,8 @@
 
 `EngineConfig.from_kwargs` is the single place where user-facing keyword arguments (offline `LLM(...)`,
 Triton's engine.json, the CLI) become a validated configuration. Every switch of the engine is a field here;
-an environment variable may set a field's default (PAGEDLLM_FUSED_CPU_OPS, PAGEDLLM_AMX_LINEAR), nothing more.
+an environment variable may set a field's default (PAGEDLLM_FUSED_CPU_OPS, PAGEDLLM_AMX_LINEAR,
+PAGEDLLM_CPU_DECODER_LOOP), nothing more.
 """
 
 from __future__ import annotations
@@ -275,6 +276,8 @@ class EngineConfig:
     # CPU kernel switches (bf16 on CPU only; for A/B measurements), reported in EngineStats.kernels.
     fused_cpu_ops: bool = field(default_factory=lambda: _env_default("PAGEDLLM_FUSED_CPU_OPS"))
     amx_linear: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_LINEAR"))
+    # Steps of few rows through the decoder's layers in one C++ call (models/decoder_loop.py)
+    cpu_decoder_loop: bool = field(default_factory=lambda: _env_default("PAGEDLLM_CPU_DECODER_LOOP"))
     fault_injection: FaultInjection | None = None  # test-only (a dict is converted)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -307,7 +310,7 @@ class EngineConfig:
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
                  f"only 1 is supported (got {self.pipeline_parallel_size!r}); split the model with "
                  "tensor_parallel_size instead")
-        for name in ("fused_cpu_ops", "amx_linear"):
+        for name in ("fused_cpu_ops", "amx_linear", "cpu_decoder_loop"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

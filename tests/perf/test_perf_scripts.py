@@ -31,6 +31,7 @@ def run(script, *args):
     pytest.param("lora.py", ["--deltas"], "speedup", marks=needs_kernels),
     ("moe.py", ["--quick"], "ratio_pagedllm_over_transformers"),
     ("fallback.py", ["--quick"], "ratio_fallback_over_native"),
+    pytest.param("decoder_loop.py", ["--quick"], "ratio_median", marks=needs_kernels),
 ])
 def test_quick_mode_prints_its_ratios(script, args, key):
     records = run(script, *args)

@@ -104,6 +104,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    decoder_loop = None  # the layers as one C++ call (models/decoder_loop.py), set per runner where it applies
+
     def __init__(self, config, windows: list[int | None], mlps: list[nn.Module], **attn_kwargs) -> None:
         """`windows`: each layer's sliding window (None: full attention); `mlps`: each layer's feed-forward."""
         super().__init__()
@@ -117,6 +119,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype, meta.rope_lengths)
+        if self.decoder_loop is not None and self.decoder_loop.takes(x.shape[0], kv_caches, meta):
+            return self.decoder_loop(x, rope, meta)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, cache, meta)

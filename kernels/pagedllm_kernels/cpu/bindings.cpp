@@ -1,4 +1,5 @@
 // The Python module of the CPU kernels (one extension, built from every .cpp in this directory).
+#include "decoder_loop.h"
 #include "ops.h"
 
 // The long kernels (a linear, attention over a step's rows) run without the GIL, so the stub's other threads
@@ -22,4 +23,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
   m.def("lora_delta_", &lora_delta_, kFree, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
+  pybind11::class_<DecoderLoop::Linear>(m, "LoopLinear")
+      .def(pybind11::init([](torch::Tensor tiles, std::optional<torch::Tensor> bias) {
+             return DecoderLoop::Linear{std::move(tiles), std::move(bias)};
+           }),
+           pybind11::arg("tiles"), pybind11::arg("bias"));
+  pybind11::class_<DecoderLoop::Layer>(m, "LoopLayer")
+      .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor post_norm, DecoderLoop::Linear qkv,
+                             DecoderLoop::Linear o, DecoderLoop::Linear gate_up, DecoderLoop::Linear down,
+                             std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
+                             torch::Tensor k_cache, torch::Tensor v_cache, int64_t window, double k_scale,
+                             double v_scale) {
+             return DecoderLoop::Layer{input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm,
+                                       k_cache, v_cache, window, k_scale, v_scale};
+           }),
+           pybind11::arg("input_norm"), pybind11::arg("post_norm"), pybind11::arg("qkv"), pybind11::arg("o"),
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("q_norm"), pybind11::arg("k_norm"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("window"), pybind11::arg("k_scale"),
+           pybind11::arg("v_scale"));
+  pybind11::class_<DecoderLoop>(m, "DecoderLoop")
+      .def(pybind11::init<std::vector<DecoderLoop::Layer>, torch::Tensor, int64_t, int64_t, int64_t, double, double,
+                          bool>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("prefetch"))
+      .def("forward", &DecoderLoop::forward, kFree, "a step through every layer and the final norm (decoder_loop.cpp)");
 }

@@ -3,7 +3,8 @@ engine has sized the KV cache, the runner that executes steps on it.
 
 The worker composes the model's transforms, in order: build (models.loader) -> shard (distributed, with tensor
 parallelism) -> load the weights -> LoRA slots around the target modules (with enable_lora) -> pack bf16 CPU
-linears -> hand the fused CPU ops to the layers. The model definitions know none of these steps.
+linears -> hand the fused CPU ops to the layers; once the KV cache is sized, the C++ loop over the layers where
+they can run in it. The model definitions know none of these steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pagedllm.distributed.tensor_parallel import shard_model
 from pagedllm.engine.decode_graphs import DecodeGraphs
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
-from pagedllm.models.layers.fused import load_fused_ops, load_lora_kernel, use_fused_ops
+from pagedllm.models.decoder_loop import attach_decoder_loop
+from pagedllm.models.layers.fused import load_decoder_loop, load_fused_ops, load_lora_kernel, use_fused_ops
 from pagedllm.models.layers.int8_linear import quantize_to_int8
 from pagedllm.models.layers.moe import FusedMoE, pack_experts
 from pagedllm.models.layers.packed_linear import pack_linears
@@ -42,6 +44,7 @@ class WorkerSpec:
     model_impl: str = "auto"
     kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
     quantization: str | None = None  # "int8": W8A8 made at load (EngineConfig.quantization)
+    cpu_decoder_loop: bool = True  # the layers in one C++ call where they can be (EngineConfig.cpu_decoder_loop)
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -89,12 +92,16 @@ def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGr
 class Worker:
     def __init__(self, spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None) -> None:
         self.spec, self.device = spec, device
+        self.tensor_parallel = group is not None and group.world_size > 1
         self.model = load_shard(spec, hf_config, device, group)
         self.runner: ModelRunner | None = None
 
     def init_cache(self, num_blocks: int, backend) -> None:
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
+        # A rank's shard needs its collectives between the layers' kernels: the modules keep those steps.
+        if self.spec.cpu_decoder_loop and self.spec.fused_cpu_ops and not self.tensor_parallel:
+            attach_decoder_loop(self.model, self.runner.kv_caches, backend, load_decoder_loop(self.device))
 
     def capture_decode_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
         """Capture and check a CUDA graph per decode bucket; the sizes captured (none if the capture failed)."""

@@ -29,6 +29,11 @@ def load_token_mask(device: str = "cpu") -> ModuleType | None:
     return _load_cpu_kernels("token_mask", device)
 
 
+def load_decoder_loop(device: str = "cpu") -> ModuleType | None:
+    """The C++ loop over the decoder's layers (models/decoder_loop.py), or None likewise."""
+    return _load_cpu_kernels("decoder_loop", device)
+
+
 def load_lora_kernel(device: str = "cpu") -> ModuleType | None:
     """The batched LoRA delta kernel's module (bf16 on CPU), or None likewise."""
     return _load_cpu_kernels("lora", device)

@@ -1,0 +1,117 @@
+"""The decoder's layers in one C++ call (pagedllm_kernels/cpu/decoder_loop.cpp) for steps of few rows on CPU.
+
+A bf16 decode step of the Llama family is a few hundred short kernel calls (per layer: two norms, four linears,
+two rotaries, the KV store, attention, SiLU-and-mul) and the Python between them: module calls, the wrappers'
+checks, views, ~30 us a layer on the 2-core hosts, ~0.7 ms of a 24-layer step (py-spy of a 24-layer model too
+small for its kernels to count). The loop calls the same kernels in the same order with the same arguments,
+so its output is bit-identical to the modules'; it holds the weights and the KV caches, built once per runner.
+
+`attach_decoder_loop` gives it to a model where every layer is made of parts it runs: the plain DecoderLayer
+(Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), PackedLinear with its bf16 tiles, the fused
+ops, the CPU attention backend, rope over whole heads whose frequencies do not depend on the sequence's length,
+no LoRA. Anything else (AMX or quantized linears, experts, Gemma's norms, soft-capping, tensor parallelism, the
+torch backend) keeps the modules, and so does a step with more rows than the tiles take (prefill chunks: the
+linears go to oneDNN there, and Python's share of such a step is negligible).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.norm import RMSNorm
+from pagedllm.models.layers.packed_linear import PackedLinear
+from pagedllm.models.llama import MLP, Attention, DecoderLayer, DecoderModel
+
+logger = logging.getLogger(__name__)
+
+
+class DecoderLoop:
+    def __init__(self, model, kv_caches: list[torch.Tensor], backend, ops) -> None:
+        decoder = model.model
+        attn = decoder.layers[0].self_attn
+        linears = [linear for layer in decoder.layers for linear in _linears(layer)]
+        self.kv_caches, self.backend = kv_caches, backend
+        self.max_rows = min(linear.max_tile_rows for linear in linears)
+        self._loop = ops.loop(
+            [_layer(ops, layer, cache) for layer, cache in zip(decoder.layers, kv_caches)], decoder.norm.weight,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale, linears[0].prefetch)
+
+    def takes(self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this step runs through the loop: few enough rows for the tiles, on the caches and backend it
+        was built for (a draft model's runner has its own)."""
+        return (rows <= self.max_rows and kv_caches is self.kv_caches and meta.backend is self.backend
+                and meta.rope_lengths is None)
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        cos, sin = (r.reshape(x.shape[0], -1) for r in rope)
+        starts = meta.backend_cache.get("cpu_query_start")
+        if starts is None:
+            starts = meta.backend_cache["cpu_query_start"] = meta.query_start_loc_t.long()
+        return self._loop.forward(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens, starts)
+
+
+def _linears(layer) -> list:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _layer(ops, layer, cache: torch.Tensor):
+    attn = layer.self_attn
+    qkv, o, gate_up, down = (ops.linear(linear.weight_tiles, linear.bias_f32) for linear in _linears(layer))
+    return ops.layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, o, gate_up, down,
+                     attn.q_norm.weight if attn.q_norm is not None else None,
+                     attn.k_norm.weight if attn.k_norm is not None else None,
+                     cache[0], cache[1], attn.sliding_window or 0, attn.kv_scales.k, attn.kv_scales.v)
+
+
+def unsupported(model, backend) -> str | None:
+    """Why the loop cannot run `model` with `backend`, or None when it can."""
+    decoder = getattr(model, "model", None)
+    if type(decoder) is not DecoderModel:
+        return f"{type(model).__name__}'s decoder is not the Llama family's"
+    if getattr(model, "lora", None) is not None:
+        return "LoRA adapters"
+    if getattr(backend, "name", None) != "cpu":
+        return f"the {getattr(backend, 'name', backend)!r} attention backend (the loop calls the cpu one's kernels)"
+    if decoder.rotary.length_dependent:
+        return "a rope whose frequencies depend on the sequence's length"
+    if decoder.embed_tokens.weight.dtype != torch.bfloat16 or decoder.embed_tokens.weight.device.type != "cpu":
+        return "not bf16 on CPU"
+    first = decoder.layers[0].self_attn
+    if first.head_dim % 32 or 2 * decoder.rotary.cos.shape[-1] != first.head_dim:
+        return "rotary over part of a head, or a head_dim the fused rotary does not take"
+    norms = [decoder.norm]
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, MLP) or mlp.act != "silu":
+            return "a layer other than Attention + a SiLU MLP"
+        if attn.softcap is not None or attn.fused_ops is None or mlp.fused_ops is None:
+            return "soft-capped attention, or without the fused CPU ops"
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale) != (
+                first.num_heads, first.num_kv_heads, first.head_dim, first.scale):
+            return "layers of different attention shapes"
+        linears = _linears(layer)
+        if not all(type(linear) is PackedLinear and linear.tiles_kernel is not None for linear in linears):
+            return "linears other than bf16 tiles (AMX, quantized, sharded or LoRA layers)"
+        if any((linear.max_tile_rows, linear.prefetch) != (linears[0].max_tile_rows, linears[0].prefetch)
+               for linear in linears):
+            return "linears raced to different settings"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if any(type(n) is not RMSNorm or n.fused_ops is None or n.eps != decoder.norm.eps for n in norms):
+        return "norms other than RMSNorm with the fused ops and one epsilon"
+    return None
+
+
+def attach_decoder_loop(model, kv_caches: list[torch.Tensor], backend, ops) -> bool:
+    """Give `model`'s decoder a DecoderLoop over `kv_caches` where it can run (see `unsupported`; `ops`:
+    pagedllm_kernels.cpu.decoder_loop, None where the C++ kernels are not here); returns whether it did."""
+    why = "no C++ CPU kernels" if ops is None else unsupported(model, backend)
+    if why is not None:
+        logger.info("decoder layers: one Python call per kernel (the C++ loop does not take %s)", why)
+        return False
+    model.model.decoder_loop = DecoderLoop(model, kv_caches, backend, ops)
+    logger.info("decoder layers: one C++ call a step up to %d rows", model.model.decoder_loop.max_rows)
+    return True

@@ -1,0 +1,57 @@
+// The Llama-family decoder's layers run in one C++ call: the same kernels, in the same order and with the same
+// arguments as the Python modules (models/llama.py with the fused ops, PackedLinear's bf16 tiles and the CPU
+// attention backend) call them one by one, so the result is bit-identical; what goes is the Python between the
+// kernels (~30 us a layer on the 2-core hosts: module calls, wrappers' checks, views). Built once per engine
+// (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights and KV caches;
+// each call gets the step's embeddings, rope tables and attention metadata.
+#include "decoder_loop.h"
+
+namespace {
+
+// rows [t, K] through one of the layer's bf16 tiled weights (bf16_tiles.py), as PackedLinear does.
+torch::Tensor linear(const torch::Tensor& rows, const DecoderLoop::Linear& w, bool prefetch) {
+  return bf16_linear(rows, w.tiles, w.bias, prefetch);
+}
+
+}  // namespace
+
+DecoderLoop::DecoderLoop(std::vector<Layer> layers, torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, double eps, double scale, bool prefetch)
+    : layers_(std::move(layers)), final_norm_(std::move(final_norm)), heads_(num_heads), kv_heads_(num_kv_heads),
+      head_dim_(head_dim), eps_(eps), scale_(scale), prefetch_(prefetch) {
+  TORCH_CHECK(!layers_.empty(), "a decoder of at least one layer");
+  TORCH_CHECK(head_dim_ % 32 == 0, "head_dim must be a multiple of 32 (the fused rotary)");
+}
+
+torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be contiguous bfloat16 [tokens, hidden]");
+  const int64_t t = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+  torch::Tensor residual = x;  // the residual stream; `h` is the last block's output, not yet added to it
+  torch::Tensor h = rms_norm(x, layers_[0].input_norm, eps_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    if (i > 0) add_rms_norm_(h, residual, layer.input_norm, eps_);
+    // Attention: q, k, v are views of the projection's rows, as the Python's split + reshape leaves them.
+    const torch::Tensor qkv = linear(h, layer.qkv, prefetch_);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
+    if (layer.q_norm) {  // Qwen3: per-head RMSNorm before rotary (RMSNorm's fused path copies the heads out)
+      q = rms_norm(q.reshape({-1, head_dim_}).contiguous(), *layer.q_norm, eps_).view({t, heads_, head_dim_});
+      k = rms_norm(k.reshape({-1, head_dim_}).contiguous(), *layer.k_norm, eps_).view({t, kv_heads_, head_dim_});
+    }
+    rotary_(q, cos, sin);
+    rotary_(k, cos, sin);
+    store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
+    const torch::Tensor o = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start,
+                                            scale_, layer.window, layer.k_scale, layer.v_scale);
+    h = linear(o.view({t, q_size}), layer.o, prefetch_);
+    // Feed-forward: SiLU-and-mul between the merged gate/up projection and the down projection.
+    add_rms_norm_(h, residual, layer.post_norm, eps_);
+    h = linear(silu_and_mul(linear(h, layer.gate_up, prefetch_)), layer.down, prefetch_);
+  }
+  add_rms_norm_(h, residual, final_norm_, eps_);
+  return h;
+}

@@ -1,0 +1,30 @@
+"""The decoder layers' loop in C++ (decoder_loop.cpp): one call runs a step through every Llama-family layer with
+the kernels beside it (bf16 tiles, fused norms and rotary, the KV store, paged attention), bit-identical to
+calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm_kernels.cpu.build import extension
+
+
+def linear(tiles: torch.Tensor, bias: torch.Tensor | None):
+    """A layer's linear: its weight in bf16_tiles.py's tiles, its float32 bias or None."""
+    return extension().LoopLinear(tiles, bias)
+
+
+def layer(input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, k_cache, v_cache, window: int,
+          k_scale: float, v_scale: float):
+    """One decoder layer: its norms' weights, its four `linear`s, per-head q/k norm weights (or None), its KV
+    cache in kv_layout.py's layout, its sliding window (0: none) and an fp8 cache's scales."""
+    return extension().LoopLayer(input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, k_cache, v_cache,
+                                 int(window), float(k_scale), float(v_scale))
+
+
+def loop(layers: list, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+         scale: float, prefetch: bool):
+    """The loop over `layers`; its forward(x, cos, sin, slots, block_tables, seq_lens, query_start) returns the
+    final norm's output."""
+    return extension().DecoderLoop(layers, final_norm, num_heads, num_kv_heads, head_dim, float(eps), float(scale),
+                                   bool(prefetch))

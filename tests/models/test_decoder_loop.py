@@ -1,0 +1,104 @@
+"""The decoder's layers in one C++ call (models/decoder_loop.py) give exactly what the modules give: the
+same kernels in the same order, so every greedy token and every logprob is equal, for each part a layer may
+have (q/k/v bias, per-head q/k norms, a sliding window, MLP bias, an fp8 cache), and for a step of more rows
+than the loop takes (the modules run it). Models the loop cannot run keep the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import decoder_loop
+from pagedllm.tiny_model import make_variant_model
+from pagedllm_kernels.cpu import build
+
+pytestmark = pytest.mark.skipif(not build.cpu_supported()[0], reason="the C++ kernels need AVX512-BF16")
+
+LENGTHS = [1, 5, 17, 40, 100, 64, 129]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+ENGINE = dict(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=32 << 20)
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """How many steps went through the loop."""
+    calls = []
+    run = decoder_loop.DecoderLoop.__call__
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return run(self, *args)
+
+    monkeypatch.setattr(decoder_loop.DecoderLoop, "__call__", counted)
+    return calls
+
+
+def outputs(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(LENGTHS)], PARAMS, use_tqdm=False)
+    assert_all_blocks_free(llm)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in row.items()} for row in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def loop_of(llm):
+    return llm.engine.executor.model.model.decoder_loop
+
+
+def compare(model: str, loop_calls, **kw):
+    with_loop = LLM(model, **ENGINE, **kw)
+    assert loop_of(with_loop) is not None
+    ours = outputs(with_loop)
+    assert loop_calls, "no step went through the loop"
+    modules = LLM(model, **ENGINE, cpu_decoder_loop=False, **kw)
+    assert loop_of(modules) is None
+    assert ours == outputs(modules)
+    return with_loop
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_loop_gives_the_modules_tokens_and_logprobs(model_dir, loop_calls, arch):
+    compare(model_dir(arch), loop_calls)  # qwen2: q/k/v bias; qwen3: per-head q/k norms
+
+
+@pytest.mark.parametrize("changes", [{"sliding_window": 24}, {"mlp_bias": True}], ids=["window", "mlp_bias"])
+def test_the_loop_takes_windows_and_mlp_bias(tmp_path, loop_calls, changes):
+    arch = "mistral" if "sliding_window" in changes else "llama"
+    compare(make_variant_model(str(tmp_path), arch, **changes), loop_calls)
+
+
+def test_the_loop_reads_and_writes_an_fp8_cache(llama_dir, loop_calls):
+    compare(llama_dir, loop_calls, kv_cache_dtype="fp8")
+
+
+def test_steps_of_more_rows_than_the_loop_takes_run_through_the_modules(llama_dir, loop_calls, monkeypatch):
+    """With the loop's limit at 8 rows, the longer prompts' steps take the modules and the decodes the loop:
+    still the modules' tokens."""
+    monkeypatch.setattr(decoder_loop.DecoderLoop, "takes", lambda self, rows, caches, meta: rows <= 8)
+    compare(llama_dir, loop_calls)
+    assert max(loop_calls) <= 8
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(dtype="float32"), "not bf16 on CPU"),
+    (dict(attention_backend="torch"), "attention backend"),
+    (dict(enable_lora=True, max_lora_rank=8), "LoRA"),
+], ids=["fp32", "torch_backend", "lora"])
+def test_models_the_loop_cannot_run_keep_the_modules(llama_dir, kw, why, caplog):
+    caplog.set_level("INFO", logger=decoder_loop.__name__)
+    llm = LLM(llama_dir, **{**ENGINE, **kw})
+    assert loop_of(llm) is None
+    assert why in caplog.text
+    assert outputs(llm)[0][0]  # it still generates
+
+
+def test_the_switch_is_reported(llama_dir):
+    llm = LLM(llama_dir, **ENGINE, cpu_decoder_loop=False)
+    assert llm.get_stats().kernels["cpu_decoder_loop"] is False
+    with pytest.raises(ValueError, match="cpu_decoder_loop"):
+        LLM(llama_dir, **ENGINE, cpu_decoder_loop="yes")
+
+
+def test_unsupported_names_a_reason_for_a_model_outside_the_family():
+    assert "decoder" in decoder_loop.unsupported(torch.nn.Linear(2, 2), None)
