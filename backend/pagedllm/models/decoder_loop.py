@@ -108,6 +108,8 @@ def unsupported(model, backend) -> str | None:
 def attach_decoder_loop(model, kv_caches: list[torch.Tensor], backend, ops) -> bool:
     """Give `model`'s decoder a DecoderLoop over `kv_caches` where it can run (see `unsupported`; `ops`:
     pagedllm_kernels.cpu.decoder_loop, None where the C++ kernels are not here); returns whether it did."""
+    if type(getattr(model, "model", None)) is DecoderModel:
+        model.model.decoder_loop = None  # a loop over an earlier runner's caches must not keep them alive
     why = "no C++ CPU kernels" if ops is None else unsupported(model, backend)
     if why is not None:
         logger.info("decoder layers: one Python call per kernel (the C++ loop does not take %s)", why)
