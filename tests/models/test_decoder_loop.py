@@ -81,7 +81,7 @@ def test_steps_of_more_rows_than_the_loop_takes_run_through_the_modules(llama_di
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(dtype="float32"), "not bf16 on CPU"),
+    (dict(dtype="float32"), "a model not bf16 on CPU"),
     (dict(attention_backend="torch"), "attention backend"),
     (dict(enable_lora=True, max_lora_rank=8), "LoRA"),
 ], ids=["fp32", "torch_backend", "lora"])

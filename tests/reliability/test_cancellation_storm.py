@@ -1,6 +1,12 @@
-"""A cancellation storm: 100 clients, half gRPC streams and half SSE streams, each disconnect mid-stream. Every
-request is cancelled (none runs to its 1,000 tokens), every KV block comes back and the gauges return to zero;
-the time from the last disconnect until then is printed (measured, not asserted: this host's speed drifts)."""
+"""A cancellation storm: 100 clients, half gRPC streams and half SSE streams, started together, each disconnecting
+as soon as its stream has begun, so the hundred disconnects land within seconds while the others are admitted and
+streaming. Every request is cancelled (none runs to its 1,000 tokens), every KV block comes back and the gauges
+return to zero; the time from the last disconnect until then is printed (measured, not asserted: this host's speed
+drifts).
+
+The clients do not wait for each other before disconnecting: a request admitted first streams at a few hundred
+microseconds a token (the tiny model, few rows), so while a barrier waited for the last client's first token, the
+first ones could reach their 1,000 tokens and finish (it happened: 89 of 100 cancelled)."""
 
 from __future__ import annotations
 
@@ -23,25 +29,23 @@ LONG = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 CLIENTS = 100
 
 
-def grpc_client(server, i: int, ready: threading.Barrier, done: list) -> None:
+def grpc_client(server, i: int, done: list) -> None:
     got = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: got.put(error))
     client.async_stream_infer("pagedllm", grpc_inputs(f"def f{i}():", LONG, stream=True))
     assert got.get(timeout=120) is None  # it streams
-    ready.wait()
     client.stop_stream(cancel_requests=True)
     client.close()
     done.append(time.monotonic())
 
 
-def sse_client(server, i: int, ready: threading.Barrier, done: list) -> None:
+def sse_client(server, i: int, done: list) -> None:
     body = {"text_input": f"import m{i}", "stream": True, "sampling_parameters": json.dumps(LONG)}
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/pagedllm/generate_stream",
                                  data=json.dumps(body).encode(), method="POST")
     resp = urllib.request.urlopen(req, timeout=120)
     assert resp.readline().startswith(b"data:")  # it streams
-    ready.wait()
     resp.close()
     done.append(time.monotonic())
 
@@ -49,8 +53,8 @@ def sse_client(server, i: int, ready: threading.Barrier, done: list) -> None:
 def test_a_hundred_clients_disconnecting_mid_stream_leave_nothing_behind(llama_dir, tmp_path):
     server = triton_server.start(tmp_path, llama_dir, ENGINE)
     try:
-        ready, done = threading.Barrier(CLIENTS), []
-        threads = [threading.Thread(target=(grpc_client if i % 2 else sse_client), args=(server, i, ready, done))
+        done = []
+        threads = [threading.Thread(target=(grpc_client if i % 2 else sse_client), args=(server, i, done))
                    for i in range(CLIENTS)]
         for t in threads:
             t.start()

@@ -78,7 +78,7 @@ def unsupported(model, backend) -> str | None:
     if decoder.rotary.length_dependent:
         return "a rope whose frequencies depend on the sequence's length"
     if decoder.embed_tokens.weight.dtype != torch.bfloat16 or decoder.embed_tokens.weight.device.type != "cpu":
-        return "not bf16 on CPU"
+        return "a model not bf16 on CPU"
     first = decoder.layers[0].self_attn
     if first.head_dim % 32 or 2 * decoder.rotary.cos.shape[-1] != first.head_dim:
         return "rotary over part of a head, or a head_dim the fused rotary does not take"
@@ -112,7 +112,7 @@ def attach_decoder_loop(model, kv_caches: list[torch.Tensor], backend, ops) -> b
         model.model.decoder_loop = None  # a loop over an earlier runner's caches must not keep them alive
     why = "no C++ CPU kernels" if ops is None else unsupported(model, backend)
     if why is not None:
-        logger.info("decoder layers: one Python call per kernel (the C++ loop does not take %s)", why)
+        logger.info("decoder layers: one Python call per kernel (not the C++ loop: %s)", why)
         return False
     model.model.decoder_loop = DecoderLoop(model, kv_caches, backend, ops)
     logger.info("decoder layers: one C++ call a step up to %d rows", model.model.decoder_loop.max_rows)
