@@ -1,10 +1,12 @@
 """The decoder's layers in one C++ call (pagedllm_kernels/cpu/decoder_loop.cpp) for steps of few rows on CPU.
 
 A bf16 decode step of the Llama family is a few hundred short kernel calls (per layer: two norms, four linears,
-two rotaries, the KV store, attention, SiLU-and-mul) and the Python between them: module calls, the wrappers'
-checks, views, ~30 us a layer on the 2-core hosts, ~0.7 ms of a 24-layer step (py-spy of a 24-layer model too
-small for its kernels to count). The loop calls the same kernels in the same order with the same arguments,
-so its output is bit-identical to the modules'; it holds the weights and the KV caches, built once per runner.
+two rotaries, the KV store, attention, SiLU-and-mul) and what surrounds them: the modules' Python (module calls,
+the launchers' checks, views) and each call's crossing into the extension. A 24-layer model too small for its
+kernels to count (hidden 128) decoded at 2.2-2.7 ms a step through the modules and 1.0 ms through the loop, on the
+2-core Zen 5 host (perf/README.md, session 23). The loop calls the same kernels in the same order with the same
+arguments, so its output is bit-identical to the modules'; it holds the weights and the KV caches, built once
+per runner.
 
 `attach_decoder_loop` gives it to a model where every layer is made of parts it runs: the plain DecoderLayer
 (Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), PackedLinear with its bf16 tiles, the fused

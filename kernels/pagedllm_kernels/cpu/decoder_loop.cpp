@@ -1,7 +1,7 @@
 // The Llama-family decoder's layers run in one C++ call: the same kernels, in the same order and with the same
 // arguments as the Python modules (models/llama.py with the fused ops, PackedLinear's bf16 tiles and the CPU
 // attention backend) call them one by one, so the result is bit-identical; what goes is the Python between the
-// kernels (~30 us a layer on the 2-core hosts: module calls, wrappers' checks, views). Built once per engine
+// kernels and each call's crossing into the extension (~70 us a layer on the 2-core hosts). Built once per engine
 // (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights and KV caches;
 // each call gets the step's embeddings, rope tables and attention metadata.
 #include "decoder_loop.h"
