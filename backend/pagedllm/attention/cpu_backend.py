@@ -45,8 +45,14 @@ class CpuAttention:
         if is_fp8(kv_cache) and q.dtype != torch.bfloat16:
             raise NotImplementedError(f"{self.name}: an fp8 KV cache needs a bfloat16 model, not {q.dtype}")
         self.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        starts = meta.backend_cache.get("cpu_query_start")
-        if starts is None:  # the first layer of the step
-            starts = meta.backend_cache["cpu_query_start"] = meta.query_start_loc_t.long()
         return self._kernel.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale,
-                                            sliding_window, kv_scales.k, kv_scales.v, query_start_loc=starts)
+                                            sliding_window, kv_scales.k, kv_scales.v,
+                                            query_start_loc=self.query_starts(meta))
+
+    @staticmethod
+    def query_starts(meta: AttentionMetadata) -> torch.Tensor:
+        """The step's query starts as the kernel takes them (int64), made by the step's first layer and reused."""
+        starts = meta.backend_cache.get("cpu_query_start")
+        if starts is None:
+            starts = meta.backend_cache["cpu_query_start"] = meta.query_start_loc_t.long()
+        return starts

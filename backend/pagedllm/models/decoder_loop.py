@@ -34,12 +34,12 @@ class DecoderLoop:
     def __init__(self, model, kv_caches: list[torch.Tensor], backend, ops) -> None:
         decoder = model.model
         attn = decoder.layers[0].self_attn
-        linears = [linear for layer in decoder.layers for linear in _linears(layer)]
+        linear = attn.qkv_proj  # its race settings are every linear's (`unsupported` checks)
         self.kv_caches, self.backend = kv_caches, backend
-        self.max_rows = min(linear.max_tile_rows for linear in linears)
+        self.max_rows = linear.max_tile_rows
         self._loop = ops.loop(
             [_layer(ops, layer, cache) for layer, cache in zip(decoder.layers, kv_caches)], decoder.norm.weight,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale, linears[0].prefetch)
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale, linear.prefetch)
 
     def takes(self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step runs through the loop: few enough rows for the tiles, on the caches and backend it
@@ -49,10 +49,8 @@ class DecoderLoop:
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         cos, sin = (r.reshape(x.shape[0], -1) for r in rope)
-        starts = meta.backend_cache.get("cpu_query_start")
-        if starts is None:
-            starts = meta.backend_cache["cpu_query_start"] = meta.query_start_loc_t.long()
-        return self._loop.forward(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens, starts)
+        return self._loop.forward(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                  self.backend.query_starts(meta))
 
 
 def _linears(layer) -> list:
@@ -97,7 +95,7 @@ def unsupported(model, backend) -> str | None:
         linears = _linears(layer)
         if not all(type(linear) is PackedLinear and linear.tiles_kernel is not None for linear in linears):
             return "linears other than bf16 tiles (AMX, quantized, sharded or LoRA layers)"
-        if any((linear.max_tile_rows, linear.prefetch) != (linears[0].max_tile_rows, linears[0].prefetch)
+        if any((linear.max_tile_rows, linear.prefetch) != (first.qkv_proj.max_tile_rows, first.qkv_proj.prefetch)
                for linear in linears):
             return "linears raced to different settings"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]

@@ -21,6 +21,8 @@ DecoderLoop::DecoderLoop(std::vector<Layer> layers, torch::Tensor final_norm, in
       head_dim_(head_dim), eps_(eps), scale_(scale), prefetch_(prefetch) {
   TORCH_CHECK(!layers_.empty(), "a decoder of at least one layer");
   TORCH_CHECK(head_dim_ % 32 == 0, "head_dim must be a multiple of 32 (the fused rotary)");
+  for (const Layer& layer : layers_)
+    TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(), "q_norm and k_norm come together or not at all");
 }
 
 torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,

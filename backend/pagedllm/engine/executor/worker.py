@@ -100,7 +100,7 @@ class Worker:
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
         # A rank's shard needs its collectives between the layers' kernels: the modules keep those steps.
-        if self.spec.cpu_decoder_loop and self.spec.fused_cpu_ops and not self.tensor_parallel:
+        if self.spec.cpu_decoder_loop and not self.tensor_parallel:  # without the fused ops it logs why not
             attach_decoder_loop(self.model, self.runner.kv_caches, backend, load_decoder_loop(self.device))
 
     def capture_decode_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
