@@ -97,5 +97,13 @@ def model_flops_per_token(hf_config) -> float:
     return 2.0 * (L * per_layer + h * hf_config.vocab_size)
 
 
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (0-1) of `values`, interpolated linearly between ranks as numpy and genai-perf do: of 16
+    samples, p99 reads between the largest two rather than being the largest alone."""
+    import numpy as np
+
+    return float(np.percentile(values, 100 * q)) if len(values) else float("nan")
+
+
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)

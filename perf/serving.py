@@ -8,8 +8,9 @@
 The client (aiohttp, one event loop) streams Server-Sent Events from both: Triton's
 `/v2/models/pagedllm/generate_stream` and vLLM's `/v1/completions` with `stream: true`. Every request asks for
 exactly --max-tokens greedy tokens (ignore_eos) after the same text prompt (random tokens of 32-256,
-decoded). Per level: output tokens/s over the level's wall time, TTFT p50/p99, ITL p50/p99 (genai-perf's
-definition, per request: (end - first token) / (tokens - 1)), requests/s, and the client's own CPU use (it
+decoded), 64-128 requests per level. Per level: output tokens/s over the level's wall time, TTFT p50/p99, ITL
+p50/p99 (genai-perf's definition, per request: (end - first token) / (tokens - 1); percentiles interpolated as
+numpy's), requests/s, and the client's own CPU use (it
 shares the 2 cores with the server, so it is printed to show it stays small).
 
 Each engine gets its own server with the same model, dtype, max_model_len, max_num_seqs (64) and KV space
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common import OUT_DIR, emit, model_dir
+from common import OUT_DIR, emit, model_dir, pct
 from pagedllm.net import free_port
 from pagedllm.serving import launcher
 
@@ -50,11 +51,6 @@ def make_prompts(path: str, n: int, seed: int) -> list[str]:
     tok = AutoTokenizer.from_pretrained(path)
     rng = random.Random(seed)
     return [tok.decode([rng.randrange(3, tok.vocab_size) for _ in range(rng.randint(32, 256))]) for _ in range(n)]
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 class PagedServer:
@@ -171,8 +167,9 @@ def main() -> None:
     levels = [int(c) for c in (args.concurrency or ("1,8" if args.quick else "1,8,32,64")).split(",")]
     rounds = args.rounds or (2 if args.with_vllm else 1)
     path = model_dir("llama", size, "bfloat16")
-    # the same prompts for both engines: per level 4 x concurrency requests (16..128), and a warm-up wave
-    sizes = {c: min(128, max(16, 4 * c)) if not args.quick else max(4, 2 * c) for c in levels}
+    # The same prompts for both engines: per level 4 x concurrency requests, at least 64 (as the independent
+    # client used; a p99 of fewer is its slowest request alone) and at most 128, and a warm-up wave.
+    sizes = {c: min(128, max(64, 4 * c)) if not args.quick else max(4, 2 * c) for c in levels}
     workloads = {c: make_prompts(path, n, seed=c) for c, n in sizes.items()}
     workloads["warmup"] = make_prompts(path, 8, seed=10_000)
     servers = [PagedServer] + ([VllmServer] if args.with_vllm else [])

@@ -31,7 +31,7 @@ import psutil
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput
 
-from common import emit, model_dir
+from common import emit, model_dir, pct
 from pagedllm.serving import launcher
 
 ENGINE = {"dtype": "bfloat16", "max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 64}
@@ -178,10 +178,6 @@ def stub_memory(server_pid: int) -> dict[str, float]:
             if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
                 fields[key] = round(int(value.split()[0]) / 1024, 1)
     return fields
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, 100 * q)) if values else float("nan")
 
 
 async def run_load(base: str, grpc_url: str, users: int, seconds: float, stats: Stats,
