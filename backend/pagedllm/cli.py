@@ -24,7 +24,7 @@ def _generate(args) -> None:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
               tensor_parallel_size=args.tensor_parallel_size, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization)
+              calculate_kv_scales=args.calculate_kv_scales, quantization=args.quantization)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or [])
     for out in llm.generate(args.prompts, params, use_tqdm=False):
@@ -39,7 +39,8 @@ def _batch(args) -> None:
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
               max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+              kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+              quantization=args.quantization)
     defaults = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_tokens=args.max_tokens)
     summary = run_batch(llm, args.input, args.output, defaults, prompt_field=args.prompt_field,
@@ -65,6 +66,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto (the model's dtype) or fp8 (e4m3: half of bf16's KV bytes per token)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8: each layer's K/V scale computed at load from a calibration text")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: W8A8 made at load from a dense checkpoint (CPU with AVX512-VNNI)")
 

@@ -44,11 +44,17 @@ class CacheConfig:
     # "auto": the model's dtype. "fp8" (= "fp8_e4m3"): e4m3 elements with a per-tensor scale per layer's K and V
     # (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bf16 per token.
     kv_cache_dtype: str = "auto"
+    # With the fp8 cache: each layer's K and V scale computed at load from one prefill of a calibration text
+    # (engine/kv_calibration.py), replacing the checkpoint's or 1.0.
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
                  + (" (e5m2 is not implemented: use fp8, which is e4m3)" if self.kv_cache_dtype == "fp8_e5m2" else ""))
+        _require(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales", "must be true or false")
+        _require(not self.calculate_kv_scales or self.kv_cache_dtype != "auto", "calculate_kv_scales",
+                 "scales only an fp8 cache: set kv_cache_dtype='fp8' too")
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size}")
         _require(self.kv_cache_memory_bytes is None or (_int(self.kv_cache_memory_bytes)

@@ -229,3 +229,22 @@ def test_torchrun_launch_runs_the_engine_on_rank_0_and_serves_it_from_rank_1(lla
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 2 and lines == [json.loads(x) for x in single.stdout.splitlines() if x.startswith("{")]
     assert "rank1 INFO stopped" in run.stderr  # rank 1 served steps until rank 0 told it to stop
+
+
+def test_fp8_kv_scales_computed_at_load_on_every_rank(llama_dir):
+    """Every rank runs the calibration prefill (its collectives need them all) and scales its own KV heads:
+    rank 0's scales are at most the whole model's (its heads are a subset), and the engine then serves."""
+    kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=8 << 20, kv_cache_dtype="fp8",
+              calculate_kv_scales=True)
+    whole = [layer.self_attn.kv_scales for layer in LLM(llama_dir, **kw).engine.executor.model.model.layers]
+    llm = LLM(llama_dir, tensor_parallel_size=2, **kw)
+    try:
+        shard = [layer.self_attn.kv_scales for layer in llm.engine.executor.model.model.layers]
+        for s, w in zip(shard, whole):
+            assert 0 < s.k <= 1.05 * w.k and 0 < s.v <= 1.05 * w.v and (s.k, s.v) != (1.0, 1.0)
+        out = llm.generate([{"prompt_token_ids": p} for p in random_prompts([5, 40], seed=3)],
+                           SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()

@@ -40,8 +40,9 @@ def scored(llm, seqs, prompt_lens):
     return result
 
 
-def agreement(model, prompts, max_tokens, **kw):
-    """(agreeing positions, positions, the model-dtype cache's margins where they disagree)."""
+def agreement(model, prompts, max_tokens, fp8_kw=None, **kw):
+    """(agreeing positions, positions, the model-dtype cache's margins where they disagree); `fp8_kw`: more
+    settings for the fp8 engine only."""
     kw = dict(max_model_len=1024, kv_cache_memory_bytes=64 << 20, **kw)
     base = LLM(model, **kw)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -49,7 +50,7 @@ def agreement(model, prompts, max_tokens, **kw):
     seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     lens = [len(o.prompt_token_ids) for o in outs]
     want = scored(base, seqs, lens)
-    fp8 = LLM(model, kv_cache_dtype="fp8", **kw)
+    fp8 = LLM(model, kv_cache_dtype="fp8", **kw, **(fp8_kw or {}))
     got = scored(fp8, seqs, lens)
     assert_all_blocks_free(fp8)
     same, total, margins = 0, 0, []
@@ -196,3 +197,65 @@ def test_triton_kernel_and_torch_read_the_fp8_cache_alike(model_dir):
         outs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                   params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def _attention_layers(llm):
+    return [layer.self_attn for layer in llm.engine.executor.model.model.layers]
+
+
+class _AmaxRecorder:
+    """A runner's backend that records each call's largest |K| and |V| (an independent measurement)."""
+
+    def __init__(self, backend):
+        self.backend, self.amax = backend, []
+
+    def forward(self, q, k, v, *rest):
+        self.amax.append((k.float().abs().max().item(), v.float().abs().max().item()))
+        return self.backend.forward(q, k, v, *rest)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def test_scales_computed_at_load_follow_each_layers_k_and_v(model_dir):
+    """calculate_kv_scales: K scale = max|K| / 200 and V scale = max|V| / 100 over the calibration prefill,
+    checked against max|K|, max|V| recorded from a bf16-cache engine on the same tokens (the first layer's
+    K/V are the same in both; later layers' inputs differ by the fp8 cache's rounding)."""
+    from pagedllm.engine.kv_calibration import CALIBRATION_TEXT
+
+    d = model_dir("qwen3")
+    kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(d, kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
+    scales = [a.kv_scales for a in _attention_layers(llm)]
+    ref = LLM(d, **kw)
+    runner = ref.engine.executor.worker.runner
+    runner.backend = recorder = _AmaxRecorder(runner.backend)
+    ids = ref.engine.tokenizer.encode(CALIBRATION_TEXT)
+    ref.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(recorder.amax) == len(scales)
+    assert (scales[0].k, scales[0].v) == (recorder.amax[0][0] / 200, recorder.amax[0][1] / 100)
+    for s, (k, v) in zip(scales, recorder.amax):
+        assert s.k == pytest.approx(k / 200, rel=0.1) and s.v == pytest.approx(v / 100, rel=0.1)
+    assert_all_blocks_free(llm)  # the calibration's blocks are free again
+
+
+def test_computed_scales_keep_values_past_e4m3s_range(model_dir, tmp_path):
+    """V scaled up 4,000x: past e4m3's ±448 with unit scales (clipped), so the fp8 cache parts from the bf16
+    cache; with scales computed at load the two agree as on the unscaled model."""
+    d = model_dir("llama")
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    louder = {k: t * 4000 for k, t in tensors.items() if k.endswith("v_proj.weight")}
+    model = _with_tensors(d, str(tmp_path / "loud"), louder)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS)]
+    unit = agreement(model, prompts, MAX_TOKENS, dtype="bfloat16")
+    computed = agreement(model, prompts, MAX_TOKENS, dtype="bfloat16", fp8_kw={"calculate_kv_scales": True})
+    assert computed[0] >= 0.95 * computed[1], computed
+    assert all(m <= MAX_FLIP_MARGIN for m in computed[2]), sorted(computed[2], reverse=True)[:5]
+    assert unit[0] < 0.8 * unit[1], unit  # the clipping this avoids
+
+
+@pytest.mark.parametrize("kw,match", [({"calculate_kv_scales": True}, "kv_cache_dtype='fp8'"),
+                                      ({"calculate_kv_scales": "yes", "kv_cache_dtype": "fp8"}, "true or false")])
+def test_calculate_kv_scales_is_refused_where_it_cannot_apply(model_dir, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model_dir("llama"), max_model_len=128, **kw)

@@ -44,6 +44,7 @@ from pagedllm.engine.startup import StartupPhases
 from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.stats import EngineStats
 from pagedllm.engine.step_inputs import prepare_step
+from pagedllm.engine.kv_calibration import CALIBRATION_TEXT
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.models.layers.rotary import original_context, rope_type
 from pagedllm.models.layers.fused import load_fused_ops, load_token_mask
@@ -135,9 +136,16 @@ class LLMEngine:
         with self.startup.phase("attention backend selection"):
             self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
         with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens, {info.kv_dtype}"):
-            self.executor.init_cache(num_blocks, self.backend)
+            self.executor.init_cache(num_blocks, self.backend, self._calibration_ids(num_blocks))
         self.decode_graphs = self._capture_decode_graphs(model)
         return num_blocks
+
+    def _calibration_ids(self, num_blocks: int) -> list[int] | None:
+        """With calculate_kv_scales: the calibration text's tokens, as many as one prompt and the pool can take."""
+        if not self.config.cache.calculate_kv_scales:
+            return None
+        ids = self.tokenizer.encode(CALIBRATION_TEXT)
+        return ids[:min(self.max_model_len - 1, (num_blocks - 1) * self.config.cache.block_size)]
 
     def _capture_decode_graphs(self, model) -> dict:
         """Decode CUDA graphs where they can run (else why not): {"sizes": captured buckets, "reason": ...}."""

@@ -4,7 +4,7 @@ in the calling process, as rank 0; the executor decides where the other ranks li
     LocalExecutor       (local.py) tensor_parallel_size 1: the whole model in this process
     MultiprocExecutor   (multiproc.py) N ranks: rank 0 here, ranks 1..N-1 in worker processes (worker_main.py)
 
-Both offer: `model` (rank 0's shard), `init_cache(num_blocks, backend)`, `execute_step(step) -> logits`,
+Both offer: `model` (rank 0's shard), `init_cache(num_blocks, backend, calibration_ids=None)`, `execute_step(step) -> logits`,
 `healthy` (False once a rank failed; `error` says why), `shutdown()`. LocalExecutor also offers
 `capture_decode_graphs(sizes, max_model_len)` (decode CUDA graphs are not captured under tensor parallelism).
 """

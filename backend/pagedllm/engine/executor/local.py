@@ -16,8 +16,8 @@ class LocalExecutor:
         self.worker = Worker(spec, hf_config, spec.device)
         self.model = self.worker.model
 
-    def init_cache(self, num_blocks: int, backend) -> None:
-        self.worker.init_cache(num_blocks, backend)
+    def init_cache(self, num_blocks: int, backend, calibration_ids: list[int] | None = None) -> None:
+        self.worker.init_cache(num_blocks, backend, calibration_ids)
 
     def capture_decode_graphs(self, sizes: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
         return self.worker.capture_decode_graphs(sizes, max_model_len)

@@ -154,9 +154,9 @@ class MultiprocExecutor:
     def healthy(self) -> bool:
         return self._active and self.error is None and all(p.poll() is None for p in self.procs.values())
 
-    def init_cache(self, num_blocks: int, backend) -> None:
-        self._collective(lambda: self.group.broadcast_object((num_blocks, backend.name)))
-        self.worker.init_cache(num_blocks, backend)
+    def init_cache(self, num_blocks: int, backend, calibration_ids: list[int] | None = None) -> None:
+        self._collective(lambda: self.group.broadcast_object((num_blocks, backend.name, calibration_ids)))
+        self._collective(lambda: self.worker.init_cache(num_blocks, backend, calibration_ids))
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         def run():

@@ -16,6 +16,7 @@ import torch
 from pagedllm.distributed.comm import TensorParallelGroup
 from pagedllm.distributed.tensor_parallel import shard_model
 from pagedllm.engine.decode_graphs import DecodeGraphs
+from pagedllm.engine.kv_calibration import calibrate_kv_scales
 from pagedllm.engine.model_runner import ModelRunner
 from pagedllm.engine.step_inputs import StepInputs
 from pagedllm.models.decoder_loop import attach_decoder_loop
@@ -96,9 +97,14 @@ class Worker:
         self.model = load_shard(spec, hf_config, device, group)
         self.runner: ModelRunner | None = None
 
-    def init_cache(self, num_blocks: int, backend) -> None:
+    def init_cache(self, num_blocks: int, backend, calibration_ids: list[int] | None = None) -> None:
+        """The runner over a fresh cache; with `calibration_ids` (calculate_kv_scales), the fp8 cache's scales
+        computed from one prefill of them first (every rank runs it: the step's collectives need them all, and
+        each rank scales its own KV heads)."""
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
+        if calibration_ids:  # before the C++ loop, which takes the scales as they are when it is attached
+            calibrate_kv_scales(self.runner, self.model, calibration_ids, self.spec.block_size)
         # A rank's shard needs its collectives between the layers' kernels: the modules keep those steps.
         if self.spec.cpu_decoder_loop and not self.tensor_parallel:  # without the fused ops it logs why not
             attach_decoder_loop(self.model, self.runner.kv_caches, backend, load_decoder_loop(self.device))

@@ -37,8 +37,8 @@ def serve_steps(group: comm.TensorParallelGroup, local_rank: int) -> None:
     elif device == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // ranks_per_host))
     worker = Worker(spec, load_config(spec.model), device, group)
-    num_blocks, backend_name = group.broadcast_object()
-    worker.init_cache(num_blocks, BUILDERS[backend_name]())
+    num_blocks, backend_name, calibration_ids = group.broadcast_object()
+    worker.init_cache(num_blocks, BUILDERS[backend_name](), calibration_ids)
     while (step := group.broadcast_object()) is not None:
         worker.execute_step(step)
     group.destroy()
