@@ -7,6 +7,7 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -100,8 +101,6 @@ def model_flops_per_token(hf_config) -> float:
 def pct(values: list[float], q: float) -> float:
     """The q-quantile (0-1) of `values`, interpolated linearly between ranks as numpy and genai-perf do: of 16
     samples, p99 reads between the largest two rather than being the largest alone."""
-    import numpy as np
-
     return float(np.percentile(values, 100 * q)) if len(values) else float("nan")
 
 

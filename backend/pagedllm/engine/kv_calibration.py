@@ -51,12 +51,12 @@ class _ScaleSetter:
     def __init__(self, backend, module_of_cache: dict[int, torch.nn.Module]) -> None:
         self.backend = backend
         self.module_of_cache = module_of_cache
-        self.amax: dict[int, tuple[float, float]] = {}
+        self.calibrated: set[int] = set()  # the caches (layers) whose scales this step set
 
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap, kv_scales):
         key = kv_cache.data_ptr()
         amax_k, amax_v = k.float().abs().amax().item(), v.float().abs().amax().item()
-        self.amax[key] = (amax_k, amax_v)
+        self.calibrated.add(key)
         kv_scales = KVScales(amax_k / K_RANGE if amax_k > 0 else 1.0, amax_v / V_RANGE if amax_v > 0 else 1.0)
         self.module_of_cache[key].kv_scales = kv_scales
         return self.backend.forward(q, k, v, kv_cache, meta, scale, sliding_window, softcap, kv_scales)
@@ -71,10 +71,10 @@ def calibrate_kv_scales(runner, model, token_ids: list[int], block_size: int) ->
     attention = [layer.self_attn for layer in layers]
     if len(runner.kv_caches) != len(attention) or not all(hasattr(a, "kv_scales") for a in attention):
         raise ValueError("calculate_kv_scales: this model's attention layers do not take fp8 KV scales")
-    checkpoint = [a.kv_scales for a in attention if a.kv_scales != KVScales()]
-    if checkpoint:
+    from_checkpoint = sum(a.kv_scales != KVScales() for a in attention)
+    if from_checkpoint:
         logger.warning("calculate_kv_scales: %d layers' scales from the checkpoint are replaced by computed ones",
-                       len(checkpoint))
+                       from_checkpoint)
     needed = -(-len(token_ids) // block_size)
     row = StepRow(token_ids=list(token_ids), start=0, block_ids=list(range(1, needed + 1)), num_logits=1)
     step, _ = build_step_inputs([row], block_size)
@@ -84,8 +84,9 @@ def calibrate_kv_scales(runner, model, token_ids: list[int], block_size: int) ->
         runner.execute_step(step)
     finally:
         runner.backend = setter.backend
-    if len(setter.amax) != len(attention):
-        raise RuntimeError(f"calculate_kv_scales: {len(setter.amax)} of {len(attention)} layers were calibrated")
+    if len(setter.calibrated) != len(attention):
+        raise RuntimeError(f"calculate_kv_scales: {len(setter.calibrated)} of {len(attention)} layers were "
+                           "calibrated")
     scales = [a.kv_scales for a in attention]
     logger.info("fp8 KV scales computed from %d tokens: K %.4g..%.4g, V %.4g..%.4g", len(token_ids),
                 min(s.k for s in scales), max(s.k for s in scales), min(s.v for s in scales),
