@@ -99,6 +99,52 @@ def test_paged_attention_over_an_fp8_cache(dtype, heads, kv_heads, window):
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def _e4m3_edge_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties: to even), one fp32 ulp either side of
+    each midpoint, values past 448 (clamped), and all of them negated."""
+    values = torch.tensor([c for c in range(127)], dtype=torch.uint8).view(FP8).float()  # 0 .. 448
+    mid = (values[:-1] + values[1:]) / 2
+    edges = torch.cat([values, mid, torch.nextafter(mid, torch.zeros_like(mid)),
+                       torch.nextafter(mid, torch.full_like(mid, 1e9)), torch.tensor([464.0, 500.0, 1e6])])
+    return torch.cat([edges, -edges])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.125, 7.5), (0.03, 3.0)])
+def test_kv_store_into_an_fp8_cache_writes_torchs_codes(dtype, k_scale, v_scale):
+    """The kernel's own e4m3 rounding equals torch's float8 conversion of value / scale, byte for byte, at every
+    rounding edge (ties, one ulp off them, subnormals, the clamp at 448) and on random K/V."""
+    edges = _e4m3_edge_values()
+    g = torch.Generator().manual_seed(3)
+    heads, d = 2, 32
+    tokens = -(-len(edges) // (heads * d)) + 3
+    k = torch.randn(tokens * heads * d, generator=g) * 40
+    k[:len(edges)] = edges * k_scale  # the edges once divided (exactly, but for 3% of them at scale 0.03)
+    v = torch.randn(tokens * heads * d, generator=g) * 40
+    v[-len(edges):] = edges * v_scale
+    k, v = k.view(tokens, heads, d).to(dtype).to(DEVICE), v.view(tokens, heads, d).to(dtype).to(DEVICE)
+    kc = torch.zeros(8, BS, heads, d, dtype=torch.uint8).view(FP8).to(DEVICE)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(8 * BS, generator=g)[:tokens].to(DEVICE)
+    slots[1] = -1  # padding: left as it was
+    kc_ref, vc_ref = kc.clone().cpu(), vc.clone().cpu()
+    kv_store(k, v, kc, vc, slots, k_scale, v_scale)
+    reference_kv_store(k.cpu(), v.cpu(), kc_ref, vc_ref, slots.cpu(), k_scale, v_scale)
+    assert torch.equal(kc.cpu().view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc.cpu().view(torch.uint8), vc_ref.view(torch.uint8))
+    assert kc.view(torch.uint8).count_nonzero() > 0.9 * (tokens - 1) * heads * d
+
+
+def test_kv_store_refuses_an_fp8_source_or_mixed_caches():
+    k = torch.randn(2, 1, 16, device=DEVICE)
+    kc = torch.zeros(2, BS, 1, 16, device=DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kv_store(k, k, kc.to(FP8), kc, slots)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kv_store(k.to(torch.bfloat16), k, kc, kc, slots)
+
+
 def test_fp8_widening_is_exact_for_every_code():
     """Each finite e4m3 code (subnormals, ±448) as the only V of a one-token row comes back as its value."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)

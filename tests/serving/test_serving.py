@@ -44,13 +44,18 @@ def offline_text(llm, prompt, **params):
 def test_streams_equal_offline_outputs(server, offline, protocol, params):
     url = server.grpc_url if protocol == "grpc" else server.http_url
     client = PagedLLMClient(url, protocol)
+    chunk_counts = []
     for prompt in PROMPTS:
         expected = offline_text(offline, prompt, **params)
         got = client.generate(prompt, stream=True, **params)
         assert got.text == expected.text  # the concatenated deltas
         assert got.finish_reason == "length" and got.num_output_tokens == 40
         assert got.num_input_tokens == len(offline.get_tokenizer().encode(prompt))
-        assert len(got.chunks) > 1
+        chunk_counts.append(len(got.chunks))
+    # Streamed, not sent whole. Per stream this depends on timing: the response thread coalesces whatever
+    # outputs queued while it waited, so on a loaded host one stream can arrive in one chunk (seen in CI).
+    # A server that does not stream gives one chunk for every prompt.
+    assert max(chunk_counts) > 1, chunk_counts
 
 
 def test_http_generate_returns_one_response_with_the_prompt_unless_excluded(server, offline):

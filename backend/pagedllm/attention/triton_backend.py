@@ -1,12 +1,12 @@
 """Attention through our Triton kernels (pagedllm_kernels): KV store, then one paged-attention launch for
-the whole mixed batch. Into an fp8 cache, K/V are rounded by torch's float8 conversion first and the store
-kernel copies the bytes; the attention kernel widens them as it reads."""
+the whole mixed batch. Into an fp8 cache the store kernel writes e4m3 codes of K/V over their scales; the
+attention kernel widens them as it reads."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize
+from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -21,10 +21,7 @@ class TritonAttention:
         self._paged_attention = paged_attention
 
     def store_kv(self, k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
-        if is_fp8(kv_cache):
-            k, v = as_bytes(quantize(k, scales.k)), as_bytes(quantize(v, scales.v))
-            kv_cache = as_bytes(kv_cache)
-        self._kv_store(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        self._kv_store(k, v, kv_cache[0], kv_cache[1], slot_mapping, scales.k, scales.v)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                 softcap: float | None = None, kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
