@@ -90,6 +90,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+TINY_VOCAB = 2048  # the tiny models': prompt_logprobs of all of it is each position's whole distribution
+
+
+def vocab_log_probs(out) -> "torch.Tensor":
+    """A request's prompt_logprobs of the whole vocabulary (prompt_logprobs=TINY_VOCAB, the engine's
+    max_logprobs as large) as [prompt positions - 1, vocab]: row i predicts prompt token i + 1."""
+    import torch
+
+    return torch.tensor([[lp[t].logprob for t in range(TINY_VOCAB)] for lp in out.prompt_logprobs[1:]])
+
+
 def agreement_with_transformers(hf, prompts, seqs, scored, max_margin: float) -> tuple[int, int]:
     """Teacher-forced: each scored sequence's top token per generated position against transformers' choice
     there (`seqs` are the prompts plus transformers' greedy tokens; `scored` our outputs with prompt_logprobs).

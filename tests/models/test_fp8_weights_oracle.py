@@ -6,7 +6,7 @@ have), or bf16 through our C++ kernel: teacher-forced tokens agree wherever the 
 
 import pytest
 import torch
-from conftest import agreement_with_transformers, assert_all_blocks_free, random_prompts
+from conftest import TINY_VOCAB, agreement_with_transformers, assert_all_blocks_free, random_prompts, vocab_log_probs
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
@@ -44,18 +44,17 @@ def test_weight_only_fp32_matches_transformers(checkpoints, method, strategy):
     quantized, twin = checkpoints("llama", method, strategy, None)
     prompts = random_prompts(LENGTHS)
     hf, want = hf_greedy(twin, prompts)
-    llm = LLM(quantized, dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(quantized, dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20,
+              max_logprobs=TINY_VOCAB)
     assert sum(isinstance(m, Fp8Linear) for m in llm.engine.executor.model.modules()) == 8
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    scored = llm.generate([{"prompt_token_ids": prompts[2]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)[0]
-    ours = torch.tensor([next(iter(lp.values())).logprob for lp in scored.prompt_logprobs[1:]])
+    scored = llm.generate([{"prompt_token_ids": prompts[2]}],
+                          SamplingParams(max_tokens=1, prompt_logprobs=TINY_VOCAB), use_tqdm=False)[0]
     with torch.no_grad():
         ref = hf(torch.tensor([prompts[2]])).logits[0].log_softmax(-1)
-    torch.testing.assert_close(ours, ref[:-1].gather(1, torch.tensor(prompts[2][1:])[:, None])[:, 0],
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vocab_log_probs(scored), ref[:-1], atol=1e-4, rtol=1e-4)
     assert_all_blocks_free(llm)
 
 

@@ -5,6 +5,7 @@ transformers runs as the oracle.
     make_int4_checkpoint(dense_dir, out_dir, "gptq", group_size=64, desc_act=True, sym=False)
     make_fp8_checkpoint(dense_dir, out_dir, "compressed-tensors", weight_strategy="channel", activations="static")
         -> (out_dir, out_dir + "-dequantized")
+    make_int8_twin(dense_dir, out_dir) -> out_dir: what quantization="int8" makes of dense_dir's weights
 
 Every decoder projection is round-to-nearest quantized; the other tensors are stored in fp16, as published
 checkpoints are, and the twin holds exactly those fp16 values (in fp32). FP8 weights are scaled by max |w| / 448
@@ -90,6 +91,20 @@ def make_fp8_checkpoint(dense_dir: str, out_dir: str, method: str = "compressed-
               "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": a, "weights": {
                   "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": weight_strategy}}}}
     return _write(dense_dir, out_dir, quantize, qc)
+
+
+def make_int8_twin(dense_dir: str, out_dir: str) -> str:
+    """dense_dir with each decoder projection's weight as quantization="int8" holds it, dequantized: round(w / s)
+    * s with s = max |w| / 127 per output row (the kernel's quantize_weight; per row, so fusing q/k/v or
+    gate/up at load changes nothing). The rest as it is: int8 quantizes a dense checkpoint, not fp16's."""
+    shutil.copytree(dense_dir, out_dir, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
+    for name, w in tensors.items():
+        if ".layers." in name and name.endswith(".weight") and name[:-7].rsplit(".", 1)[-1] in PROJECTIONS:
+            scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+            tensors[name] = (torch.round(w.float() / scale).clamp(-127, 127) * scale).to(w.dtype)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
 
 
 def _calibrate(dense_dir: str) -> dict[str, torch.Tensor]:
