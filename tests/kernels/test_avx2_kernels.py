@@ -3,8 +3,10 @@ any CPU with AVX2, FMA and F16C, AVX-512 ones included, so every x86 test host c
 
 import pytest
 import torch
+from e4m3_edges import kv_with_edges
 
 from pagedllm_kernels.cpu import avx2_attention, avx2_linear
+from pagedllm_kernels.kv_store import reference_kv_store
 
 pytestmark = pytest.mark.skipif(not avx2_linear.avx2_supported()[0], reason=avx2_linear.avx2_supported()[1])
 
@@ -130,3 +132,39 @@ def test_decode_attention_reads_an_fp8_cache(dtype, k_scale, v_scale, window):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.125, 7.5), (0.03, 3.0)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_fp8_writes_torchs_codes(dtype, k_scale, v_scale, slot_dtype):
+    """Byte for byte torch's float8 conversion of value / scale at every rounding edge (each e4m3 value, each
+    midpoint and one ulp either side, subnormals, the clamp at 448, negatives) and on random K/V read through
+    strided heads (K and V are views of one fused qkv row, as the model makes them); padding skipped."""
+    heads, d, tokens = 2, 32, 25
+    k, v = kv_with_edges(tokens, heads, d, k_scale, v_scale, dtype)
+    qkv = torch.cat([torch.zeros(tokens, 4, d, dtype=dtype), k, v], dim=1)  # q, k, v heads side by side
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randperm(8 * 16, generator=g)[:tokens].to(slot_dtype)
+    slots[1] = -1
+    kc = torch.zeros(8, 16, heads, d, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    avx2_attention.store_kv_fp8(k, v, kc, vc, slots, k_scale, v_scale)
+    reference_kv_store(k, v, kc_ref, vc_ref, slots, k_scale, v_scale)
+    assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
+    assert kc.view(torch.uint8).count_nonzero() > 0.9 * (tokens - 1) * heads * d
+
+
+def test_store_kv_fp8_refuses_what_it_cannot_write():
+    k = torch.randn(2, 1, 16)
+    kc = torch.zeros(2, 16, 1, 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    slots = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        avx2_attention.store_kv_fp8(k, k, kc.float(), kc.float(), slots)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        avx2_attention.store_kv_fp8(k[..., :12], k[..., :12], kc[..., :12], kc[..., :12], slots)
+    with pytest.raises(RuntimeError, match="slots"):
+        avx2_attention.store_kv_fp8(k, k, kc, kc, slots[:1])

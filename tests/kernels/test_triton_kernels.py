@@ -4,6 +4,7 @@ sliding window, fp32 and bf16, slot -1 padding."""
 
 import pytest
 import torch
+from e4m3_edges import kv_with_edges
 
 from pagedllm_kernels.kv_store import kv_store, reference_kv_store
 from pagedllm_kernels.paged_attention import paged_attention, reference_paged_attention
@@ -99,30 +100,14 @@ def test_paged_attention_over_an_fp8_cache(dtype, heads, kv_heads, window):
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def _e4m3_edge_values() -> torch.Tensor:
-    """Every finite e4m3 value, the midpoints between neighbours (ties: to even), one fp32 ulp either side of
-    each midpoint, values past 448 (clamped), and all of them negated."""
-    values = torch.tensor([c for c in range(127)], dtype=torch.uint8).view(FP8).float()  # 0 .. 448
-    mid = (values[:-1] + values[1:]) / 2
-    edges = torch.cat([values, mid, torch.nextafter(mid, torch.zeros_like(mid)),
-                       torch.nextafter(mid, torch.full_like(mid, 1e9)), torch.tensor([464.0, 500.0, 1e6])])
-    return torch.cat([edges, -edges])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.125, 7.5), (0.03, 3.0)])
 def test_kv_store_into_an_fp8_cache_writes_torchs_codes(dtype, k_scale, v_scale):
     """The kernel's own e4m3 rounding equals torch's float8 conversion of value / scale, byte for byte, at every
     rounding edge (ties, one ulp off them, subnormals, the clamp at 448) and on random K/V."""
-    edges = _e4m3_edge_values()
+    heads, d, tokens = 2, 32, 25
+    k, v = (t.to(DEVICE) for t in kv_with_edges(tokens, heads, d, k_scale, v_scale, dtype))
     g = torch.Generator().manual_seed(3)
-    heads, d = 2, 32
-    tokens = -(-len(edges) // (heads * d)) + 3
-    k = torch.randn(tokens * heads * d, generator=g) * 40
-    k[:len(edges)] = edges * k_scale  # the edges once divided (exactly, but for 3% of them at scale 0.03)
-    v = torch.randn(tokens * heads * d, generator=g) * 40
-    v[-len(edges):] = edges * v_scale
-    k, v = k.view(tokens, heads, d).to(dtype).to(DEVICE), v.view(tokens, heads, d).to(dtype).to(DEVICE)
     kc = torch.zeros(8, BS, heads, d, dtype=torch.uint8).view(FP8).to(DEVICE)
     vc = torch.zeros_like(kc)
     slots = torch.randperm(8 * BS, generator=g)[:tokens].to(DEVICE)

@@ -109,9 +109,7 @@ class TorchAttention:
                 sliding_window: int | None, softcap: float | None = None,
                 kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         self.softcap = softcap
-        if "torch_stored" not in meta.backend_cache:  # one host sync per step, not per layer
-            meta.backend_cache["torch_stored"] = stored_tokens(meta.slot_mapping)
-        store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales, meta.backend_cache["torch_stored"])
+        self._store_step(k, v, kv_cache, meta, kv_scales)
         gather = _Gather(self.ws, kv_cache, kv_scales, q)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -121,6 +119,11 @@ class TorchAttention:
             s, e = meta.query_start_loc[row], meta.query_start_loc[row + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], gather, meta, row, scale, sliding_window)
         return out
+
+    def _store_step(self, k, v, kv_cache, meta: AttentionMetadata, scales: KVScales) -> None:
+        if "torch_stored" not in meta.backend_cache:  # one host sync per step, not per layer
+            meta.backend_cache["torch_stored"] = stored_tokens(meta.slot_mapping)
+        store_kv(k, v, kv_cache, meta.slot_mapping, scales, meta.backend_cache["torch_stored"])
 
     def _decode(self, q, gather, meta, scale, window):
         """Decode rows, in a few groups of neighbouring context lengths (the runner orders decode rows by

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an fp8 weight written as bf16_linear's bf16 tiles [N/8, K, 8] (AVX2, F16C)");
   m.def("fp8_round_input", &avx2_fp8_round_input,
         "x rounded to e4m3 at a static, per-row or per-tensor scale, and back (AVX2)");
+  m.def("store_kv_fp8", &avx2_store_kv_fp8,
+        "k / k_scale and v / v_scale as e4m3 codes into their slots of an fp8 cache, slot -1 skipped (AVX2)");
   m.def("decode_attention", &avx2_decode_attention,
         "each row's one query token over its paged context (torch backend's cache layout, q's dtype or e4m3), "
         "fp32 math (AVX2)");

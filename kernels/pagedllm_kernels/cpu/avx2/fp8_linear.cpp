@@ -22,6 +22,7 @@ namespace {
 
 using pagedllm_avx2::e4m3_as_halves16;
 using pagedllm_avx2::kE4m3Unscale;
+using pagedllm_avx2::round_to_e4m3;
 using pagedllm_avx2::to_bf16_8;
 
 constexpr int kTile = 16;  // output columns per tile (32 bytes per pair of inputs)
@@ -158,22 +159,6 @@ void avx2_fp8_dequantize_tiles(torch::Tensor packed, torch::Tensor scales, torch
 }
 
 namespace {
-
-// v rounded to the nearest e4m3 value (ties to even), clamped to +-448, as fp32 (every e4m3 value is one):
-// normal magnitudes (>= 2^-6) keep 3 mantissa bits, subnormal ones become multiples of 2^-9.
-inline __m256 round_to_e4m3(__m256 v) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign_bit, v), _mm256_set1_ps(448.0f));
-  const __m256i bits = _mm256_castps_si256(a);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~0xFFFFF)));
-  const __m256 sub = _mm256_mul_ps(
-      _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-      _mm256_set1_ps(1.0f / 512.0f));
-  const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
-  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, small), _mm256_and_ps(v, sign_bit));
-}
 
 float row_amax(const at::BFloat16* x, int64_t k) {
   __m256 m = _mm256_setzero_ps();

@@ -27,3 +27,7 @@ torch::Tensor avx2_fp8_round_input(torch::Tensor x, double static_scale, bool pe
 torch::Tensor avx2_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                     int64_t window, double k_scale, double v_scale);
+// kv_store.cpp: k / k_scale and v / v_scale as e4m3 codes into their slots of an fp8 cache (the torch backend's
+// layout); slot -1 skipped.
+void avx2_store_kv_fp8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slots, double k_scale, double v_scale);

@@ -38,6 +38,32 @@ inline __m256 load8_e4m3_div256(const void* p) {
   return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
 }
 
+// v rounded to the nearest e4m3 value (ties to even), clamped to +-448, as fp32 (every e4m3 value is one):
+// normal magnitudes (>= 2^-6) keep 3 mantissa bits, subnormal ones become multiples of 2^-9.
+inline __m256 round_to_e4m3(__m256 v) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign_bit, v), _mm256_set1_ps(448.0f));
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 20), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(~0xFFFFF)));
+  const __m256 sub = _mm256_mul_ps(
+      _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm256_set1_ps(1.0f / 512.0f));
+  const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, small), _mm256_and_ps(v, sign_bit));
+}
+
+// 8 e4m3 values as fp32 (round_to_e4m3's) -> their 8 codes, in the low 8 bytes: each value / 256 is exactly a
+// half whose bits are the code's shifted left by 7 (e4m3_as_halves16 in reverse), sign included.
+inline __m128i e4m3_codes8(__m256 e4m3_values) {
+  const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(e4m3_values, _mm256_set1_ps(1.0f / kE4m3Unscale)),
+                                    _MM_FROUND_TO_NEAREST_INT);
+  const __m128i codes = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 7), _mm_set1_epi16(0x7F)),
+                                     _mm_and_si128(_mm_srli_epi16(h, 8), _mm_set1_epi16(0x80)));
+  return _mm_packus_epi16(codes, codes);
+}
+
 // The linears' shared input checks: x bf16 [rows, k], bias (if any) contiguous float32 [n]. Returns x widened
 // to fp32, contiguous (each kernel reads it as fp32 rows).
 inline torch::Tensor checked_fp32_rows(const torch::Tensor& x, int64_t k, const std::optional<torch::Tensor>& bias,
