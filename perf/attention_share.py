@@ -37,10 +37,10 @@ class AttentionTimer:
 
 def measure(path, backend, prompts, steps, kv_cache_dtype):
     """The step with the decoder loop where it runs; attention timed through the modules (the loop off)."""
-    modules = measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop=False)
     looped = measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop=True)
-    if looped["attention_ms"] > 0:  # the loop did not take these steps: attention was timed in them
+    if looped["attention_ms"] > 0:  # the loop did not take these steps (other backends): attention timed in them
         return looped
+    modules = measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop=False)
     share = modules["attention_ms"] / looped["step_ms"]
     return {**looped, "attention_ms": modules["attention_ms"], "attention_share": round(share, 3),
             "attention_timed_without_loop": True, "step_ms_without_loop": modules["step_ms"]}

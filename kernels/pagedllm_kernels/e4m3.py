@@ -17,7 +17,8 @@ def e4m3_to_f32(bits):
 @triton.jit
 def f32_to_e4m3(x):
     """fp32 values (already divided by the scale) -> uint8 e4m3 codes, round to nearest even, clamped to +-448:
-    torch's .to(float8_e4m3fn) of the clamped values, bit for bit. Normal range: the fp32 rounded at mantissa
+    torch's .to(float8_e4m3fn) of the clamped values, bit for bit (finite values; NaN is clamped to a bound,
+    as by the C++ stores, where torch keeps e4m3's NaN). Normal range: the fp32 rounded at mantissa
     bit 20 and its exponent rebiased (127 -> 7). Below 2^-6 the code is round(|x| * 2^9): adding 2^14 leaves
     exactly that many units of 2^-9 in the fp32's mantissa, rounded to nearest even by the add itself."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)

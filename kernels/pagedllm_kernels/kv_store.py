@@ -34,7 +34,7 @@ def _kv_store_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, 
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d  # head_dim is contiguous (checked)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    if FP8_CACHE:  # div_rn: IEEE division, as torch's x.float() / scale (a GPU's default fp32 divide is not)
+    if FP8_CACHE:  # div_rn: IEEE division, as the C++ stores and torch on CPU (a GPU's default fp32 divide is not)
         k = f32_to_e4m3(tl.math.div_rn(k.to(tl.float32), k_scale))
         v = f32_to_e4m3(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k, mask=mask)
@@ -46,8 +46,9 @@ def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"k and v must be [tokens, kv_heads, head_dim] of one shape, got {k.shape}, {v.shape}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"caches must be [blocks, block_size, {k.shape[1]}, {k.shape[2]}], got {k_cache.shape}")
-    if k.dtype != v.dtype or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (k.dtype, FP8):
-        raise ValueError("k and v must share a dtype, and the caches either it or float8_e4m3fn")
+    if k.dtype != v.dtype or k.dtype == FP8 or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (k.dtype, FP8):
+        raise ValueError("k and v must share a dtype (not float8_e4m3fn: the store rounds to it), and the caches "
+                         "either it or float8_e4m3fn")
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot_mapping must be [tokens] int32/int64")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):

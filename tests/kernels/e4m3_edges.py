@@ -13,9 +13,13 @@ def e4m3_edge_values() -> torch.Tensor:
     return torch.cat([edges, -edges])
 
 
+EDGE_FREE_TOKEN = 20  # of kv_with_edges(40, 2, 32, ...): in neither K's edges (tokens 0-15) nor V's (24-39)
+
+
 def kv_with_edges(tokens: int, heads: int, d: int, k_scale: float, v_scale: float, dtype, seed: int = 3):
-    """Random K/V (~N(0, 40)) [tokens, heads, d] with the edge values times the scales at the start of K and
-    the end of V, so that divided by their scales they land on the edges (exactly, for most scales)."""
+    """Random K/V (normal, standard deviation 40) [tokens, heads, d] with the edge values times the scales at the
+    start of K and the end of V, so that divided by their scales they land on the edges (exactly, for most
+    scales)."""
     edges = e4m3_edge_values()
     assert tokens * heads * d >= len(edges)
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,7 @@ any CPU with AVX2, FMA and F16C, AVX-512 ones included, so every x86 test host c
 
 import pytest
 import torch
-from e4m3_edges import kv_with_edges
+from e4m3_edges import EDGE_FREE_TOKEN, kv_with_edges
 
 from pagedllm_kernels.cpu import avx2_attention, avx2_linear
 from pagedllm_kernels.kv_store import reference_kv_store
@@ -135,19 +135,19 @@ def test_decode_attention_reads_an_fp8_cache(dtype, k_scale, v_scale, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.125, 7.5), (0.03, 3.0)])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.125, 7.5), (0.3, 3.0)])
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_store_kv_fp8_writes_torchs_codes(dtype, k_scale, v_scale, slot_dtype):
     """Byte for byte torch's float8 conversion of value / scale at every rounding edge (each e4m3 value, each
     midpoint and one ulp either side, subnormals, the clamp at 448, negatives) and on random K/V read through
     strided heads (K and V are views of one fused qkv row, as the model makes them); padding skipped."""
-    heads, d, tokens = 2, 32, 25
+    heads, d, tokens = 2, 32, 40
     k, v = kv_with_edges(tokens, heads, d, k_scale, v_scale, dtype)
     qkv = torch.cat([torch.zeros(tokens, 4, d, dtype=dtype), k, v], dim=1)  # q, k, v heads side by side
     k, v = qkv[:, 4:6], qkv[:, 6:]
     g = torch.Generator().manual_seed(3)
     slots = torch.randperm(8 * 16, generator=g)[:tokens].to(slot_dtype)
-    slots[1] = -1
+    slots[EDGE_FREE_TOKEN] = -1  # padding: left as it was
     kc = torch.zeros(8, 16, heads, d, dtype=torch.uint8).view(torch.float8_e4m3fn)
     vc = torch.zeros_like(kc)
     kc_ref, vc_ref = kc.clone(), vc.clone()

@@ -4,7 +4,7 @@ sliding window, fp32 and bf16, slot -1 padding."""
 
 import pytest
 import torch
-from e4m3_edges import kv_with_edges
+from e4m3_edges import EDGE_FREE_TOKEN, kv_with_edges
 
 from pagedllm_kernels.kv_store import kv_store, reference_kv_store
 from pagedllm_kernels.paged_attention import paged_attention, reference_paged_attention
@@ -101,17 +101,17 @@ def test_paged_attention_over_an_fp8_cache(dtype, heads, kv_heads, window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.125, 7.5), (0.03, 3.0)])
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.125, 7.5), (0.3, 3.0)])
 def test_kv_store_into_an_fp8_cache_writes_torchs_codes(dtype, k_scale, v_scale):
     """The kernel's own e4m3 rounding equals torch's float8 conversion of value / scale, byte for byte, at every
     rounding edge (ties, one ulp off them, subnormals, the clamp at 448) and on random K/V."""
-    heads, d, tokens = 2, 32, 25
+    heads, d, tokens = 2, 32, 40
     k, v = (t.to(DEVICE) for t in kv_with_edges(tokens, heads, d, k_scale, v_scale, dtype))
     g = torch.Generator().manual_seed(3)
     kc = torch.zeros(8, BS, heads, d, dtype=torch.uint8).view(FP8).to(DEVICE)
     vc = torch.zeros_like(kc)
     slots = torch.randperm(8 * BS, generator=g)[:tokens].to(DEVICE)
-    slots[1] = -1  # padding: left as it was
+    slots[EDGE_FREE_TOKEN] = -1  # padding: left as it was
     kc_ref, vc_ref = kc.clone().cpu(), vc.clone().cpu()
     kv_store(k, v, kc, vc, slots, k_scale, v_scale)
     reference_kv_store(k.cpu(), v.cpu(), kc_ref, vc_ref, slots.cpu(), k_scale, v_scale)
@@ -120,13 +120,15 @@ def test_kv_store_into_an_fp8_cache_writes_torchs_codes(dtype, k_scale, v_scale)
     assert kc.view(torch.uint8).count_nonzero() > 0.9 * (tokens - 1) * heads * d
 
 
-def test_kv_store_refuses_an_fp8_source_or_mixed_caches():
+def test_kv_store_refuses_an_fp8_source_mixed_caches_or_mixed_sources():
     k = torch.randn(2, 1, 16, device=DEVICE)
     kc = torch.zeros(2, BS, 1, 16, device=DEVICE)
     slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="not float8_e4m3fn"):
+        kv_store(k.to(FP8), k.to(FP8), kc.to(FP8), kc.to(FP8), slots)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kv_store(k, k, kc.to(FP8), kc, slots)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
+    with pytest.raises(ValueError, match="share a dtype"):
         kv_store(k.to(torch.bfloat16), k, kc, kc, slots)
 
 

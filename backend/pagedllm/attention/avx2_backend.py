@@ -10,6 +10,8 @@ not a multiple of 8.
 
 from __future__ import annotations
 
+import torch
+
 from pagedllm.attention.kv_quant import UNIT_SCALES, KVScales, is_fp8
 from pagedllm.attention.torch_backend import TorchAttention
 
@@ -34,15 +36,19 @@ class Avx2Attention(TorchAttention):
 
         avx2_extension()
 
+    @staticmethod
+    def _kernel_stores(k, kv_cache) -> bool:
+        return is_fp8(kv_cache) and k.dtype in (torch.bfloat16, torch.float32) and k.shape[-1] % 8 == 0
+
     def store_kv(self, k, v, kv_cache, slot_mapping, scales: KVScales = UNIT_SCALES) -> None:
-        if is_fp8(kv_cache) and k.shape[-1] % 8 == 0:
+        if self._kernel_stores(k, kv_cache):
             self._kernel.store_kv_fp8(k, v, kv_cache[0], kv_cache[1], slot_mapping, scales.k, scales.v)
         else:
             super().store_kv(k, v, kv_cache, slot_mapping, scales)
 
     def _store_step(self, k, v, kv_cache, meta, scales: KVScales) -> None:
-        if is_fp8(kv_cache) and k.shape[-1] % 8 == 0:
-            self.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
+        if self._kernel_stores(k, kv_cache):  # padding's -1 slots skipped in the kernel: no host sync for them
+            self._kernel.store_kv_fp8(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, scales.k, scales.v)
         else:
             super()._store_step(k, v, kv_cache, meta, scales)
 

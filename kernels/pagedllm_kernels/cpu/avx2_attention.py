@@ -24,5 +24,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def store_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v [tokens, KV heads, D] (bf16 or fp32) as e4m3 of k / k_scale and v / v_scale into their slots of the
-    float8_e4m3fn caches (torch's float8 conversion of the clamped values, bit for bit); slot -1 is skipped."""
+    float8_e4m3fn caches (torch's float8 conversion of the clamped values, bit for bit for finite values); slot -1
+    is skipped."""
     avx2_extension().store_kv_fp8(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

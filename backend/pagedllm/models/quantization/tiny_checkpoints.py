@@ -102,7 +102,7 @@ def make_int8_twin(dense_dir: str, out_dir: str) -> str:
     for name, w in tensors.items():
         if ".layers." in name and name.endswith(".weight") and name[:-7].rsplit(".", 1)[-1] in PROJECTIONS:
             scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
-            tensors[name] = (torch.round(w.float() / scale).clamp(-127, 127) * scale).to(w.dtype)
+            tensors[name] = torch.round(w.float() / scale).clamp(-127, 127) * scale  # fp32: exactly these
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
