@@ -48,7 +48,7 @@ class Avx2Attention(TorchAttention):
 
     def _store_step(self, k, v, kv_cache, meta, scales: KVScales) -> None:
         if self._kernel_stores(k, kv_cache):  # padding's -1 slots skipped in the kernel: no host sync for them
-            self._kernel.store_kv_fp8(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, scales.k, scales.v)
+            self.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
         else:
             super()._store_step(k, v, kv_cache, meta, scales)
 

@@ -8,9 +8,16 @@ import torch
 
 from pagedllm_kernels.cpu.build import extension, vnni_supported
 
-__all__ = ["vnni_supported", "quantize_weight", "linear", "reference"]
+__all__ = ["vnni_supported", "quantize_rows", "quantize_weight", "linear", "reference"]
 
 TILE = 16
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int8 [N, K], scales float32 [N]): each output row symmetric, max |w| / 127."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
 def quantize_weight(weight: torch.Tensor):
@@ -18,9 +25,7 @@ def quantize_weight(weight: torch.Tensor):
     n, k = weight.shape
     if n % TILE or k % 16:
         raise ValueError(f"int8: output features {n} must be a multiple of 16 and input features {k} too")
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scales = quantize_rows(weight)
     packed = q.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     return packed, scales, q.sum(dim=1, dtype=torch.int32)
 

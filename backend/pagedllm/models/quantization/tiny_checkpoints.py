@@ -95,16 +95,24 @@ def make_fp8_checkpoint(dense_dir: str, out_dir: str, method: str = "compressed-
 
 def make_int8_twin(dense_dir: str, out_dir: str) -> str:
     """dense_dir with each decoder projection's weight as quantization="int8" holds it, dequantized: round(w / s)
-    * s with s = max |w| / 127 per output row (the kernel's quantize_weight; per row, so fusing q/k/v or
+    * s with s = max |w| / 127 per output row (the kernel's own quantize_rows; per row, so fusing q/k/v or
     gate/up at load changes nothing). The rest as it is: int8 quantizes a dense checkpoint, not fp16's."""
+    from pagedllm_kernels.cpu.int8_linear import quantize_rows
+
     shutil.copytree(dense_dir, out_dir, dirs_exist_ok=True)
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
     for name, w in tensors.items():
-        if ".layers." in name and name.endswith(".weight") and name[:-7].rsplit(".", 1)[-1] in PROJECTIONS:
-            scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
-            tensors[name] = torch.round(w.float() / scale).clamp(-127, 127) * scale  # fp32: exactly these
+        if _is_projection(name):
+            q, scales = quantize_rows(w)
+            tensors[name] = q.float() * scales[:, None]  # fp32: exactly these
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _is_projection(name: str) -> bool:
+    """A decoder projection's weight (`model.layers.N.self_attn.q_proj.weight`, ...)."""
+    return ".layers." in name and name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] \
+        in PROJECTIONS
 
 
 def _calibrate(dense_dir: str) -> dict[str, torch.Tensor]:
@@ -134,7 +142,7 @@ def _write(dense_dir: str, out_dir: str, quantize, qc: dict) -> tuple[str, str]:
     tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
     for name, tensor in tensors.items():
         prefix = name.removesuffix(".weight")
-        if ".layers." not in name or not name.endswith(".weight") or prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if not _is_projection(name):
             quantized[name] = tensor.half()
             dense[name] = tensor.half().float()
             continue
