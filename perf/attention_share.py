@@ -1,18 +1,19 @@
 """Attention on CPU, per backend, in one run:
-- the share of a decode step spent in attention (every layer's backend.forward, KV store included) on the
-  125M workload of perf/throughput.py, with the resulting decode tokens/s. Where the C++ decoder loop runs the
-  step (the cpu backend), attention happens inside it, out of Python's sight: its time is taken from a twin
-  engine without the loop, which calls the same kernels on the same batch through the modules, and divided by
-  the step time with the loop (the wrapper's few microseconds a layer count as attention: a share at most);
+- the share of a decode step spent in attention (every layer's KV store and attention kernel) on the 125M
+  workload of perf/throughput.py, with the resulting decode tokens/s. Where the C++ decoder loop runs the step
+  (the cpu backend), the loop times its own stores and kernel calls (two clock reads a layer); elsewhere each
+  layer's backend.forward is timed from Python. Each (backend, cache dtype) gets --rounds fresh engines, taken
+  in turn so that the host's drift falls on all of them alike; every round is printed, then the medians;
 - one prefill row of L tokens (125M attention shapes) through each backend;
 each with the bf16 cache and the fp8 one (--kv-cache-dtypes), and fp8's ratios to bf16.
 
-    .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu] [--kv-cache-dtypes auto,fp8]
+    .venv/bin/python perf/attention_share.py [--quick] [--backends torch,cpu] [--kv-cache-dtypes auto,fp8] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from common import emit, model_dir, random_workload
@@ -35,20 +36,10 @@ class AttentionTimer:
         backend.forward = forward
 
 
-def measure(path, backend, prompts, steps, kv_cache_dtype):
-    """The step with the decoder loop where it runs; attention timed through the modules (the loop off)."""
-    looped = measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop=True)
-    if looped["attention_ms"] > 0:  # the loop did not take these steps (other backends): attention timed in them
-        return looped
-    modules = measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop=False)
-    share = modules["attention_ms"] / looped["step_ms"]
-    return {**looped, "attention_ms": modules["attention_ms"], "attention_share": round(share, 3),
-            "attention_timed_without_loop": True, "step_ms_without_loop": modules["step_ms"]}
-
-
-def measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop: bool):
+def measure_steps(path, backend, prompts, steps, kv_cache_dtype):
+    """One fresh engine: its prompts prefilled, a few decode steps, then `steps` timed decode steps."""
     llm = LLM(path, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=2 << 30, max_num_seqs=256,
-              attention_backend=backend, kv_cache_dtype=kv_cache_dtype, cpu_decoder_loop=decoder_loop)
+              attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     for p in prompts:
         engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
@@ -57,17 +48,27 @@ def measure_steps(path, backend, prompts, steps, kv_cache_dtype, decoder_loop: b
         engine.step()  # prefills done: from here on every step decodes every request
     for _ in range(5):
         engine.step()
+    loop = getattr(engine.executor.model.model, "decoder_loop", None)
+    in_loop = loop.attention_seconds if loop is not None else 0.0
     timer = AttentionTimer(engine.backend)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - t0
+    attention = timer.seconds + (loop.attention_seconds - in_loop if loop is not None else 0.0)
     rows = len(engine.scheduler.running)
     llm.shutdown()
     return {"bench": "attention_share", "backend": engine.backend.name, "kv_cache_dtype": kv_cache_dtype,
-            "decode_rows": rows,
-            "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * timer.seconds / steps, 2),
-            "attention_share": round(timer.seconds / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
+            "decode_rows": rows, "timed_in_decoder_loop": loop is not None and timer.seconds == 0.0,
+            "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * attention / steps, 2),
+            "attention_share": round(attention / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
+
+
+def medians(rounds: list[dict]) -> dict:
+    return {**{k: rounds[0][k] for k in ("backend", "kv_cache_dtype", "decode_rows")}, "bench": "attention_share_median",
+            "rounds": len(rounds),
+            **{k: round(statistics.median(r[k] for r in rounds), 3)
+               for k in ("step_ms", "attention_ms", "attention_share", "decode_tok_s")}}
 
 
 def prefill_row_ms(backend_name: str, length: int, kv_cache_dtype: str, repeats: int = 3) -> float:
@@ -103,12 +104,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--backends", default="torch,cpu")
     ap.add_argument("--kv-cache-dtypes", default="auto,fp8", help="auto = the model's bf16")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh engines per (backend, cache dtype), taken in turn")
     args = ap.parse_args()
     size = "small" if args.quick else "125m"
     path = model_dir("llama", size, "bfloat16")
     prompts = random_workload(16 if args.quick else 64, 32, 256, 32000, seed=0)
     backends, kv_dtypes = args.backends.split(","), args.kv_cache_dtypes.split(",")
-    results = {(b, kv): measure(path, b, prompts, 5 if args.quick else 30, kv) for kv in kv_dtypes for b in backends}
+    cells = [(b, kv) for kv in kv_dtypes for b in backends]
+    rounds = {cell: [] for cell in cells}
+    for _ in range(1 if args.quick else args.rounds):
+        for b, kv in cells:
+            rounds[b, kv].append(measure_steps(path, b, prompts, 5 if args.quick else 40, kv))
+            emit(rounds[b, kv][-1])
+    results = {cell: medians(rs) for cell, rs in rounds.items()}
     for r in results.values():
         emit(r)
     if len(backends) == 2:

@@ -5,6 +5,7 @@ layer call and GB/s of K/V read, against this host's streaming read bandwidth me
 
     .venv/bin/python perf/decode_attention.py [--shapes 64x400,32x600,8x1024,4x2048] [--passes 7]
     .venv/bin/python perf/decode_attention.py --against OLD/paged_attention.cpp   # A/B: that source, alternated
+    .venv/bin/python perf/decode_attention.py --kv-cache-dtype fp8   # an e4m3 cache (bytes counted as 1 each)
 
 --against builds another version of kernels/pagedllm_kernels/cpu/paged_attention.cpp (say, `git show
 REV:kernels/pagedllm_kernels/cpu/paged_attention.cpp > /tmp/old.cpp`) as an extension of its own and alternates
@@ -38,13 +39,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def caches_for(rows: int, ctx: int, seed: int = 0):
-    """Per layer a K and a V cache in the kernels' layout (random values), one block table for all layers
-    (blocks scattered), each row's context length drawn from [ctx / 2, ctx], and the rows' queries."""
+def caches_for(rows: int, ctx: int, seed: int = 0, cache_dtype: torch.dtype = torch.bfloat16):
+    """Per layer a K and a V cache in the kernels' layout (random values, of cache_dtype), one block table for
+    all layers (blocks scattered), each row's context length drawn from [ctx / 2, ctx], and the rows' queries."""
     g = torch.Generator().manual_seed(seed)
     per_row = -(-ctx // BLOCK)
     blocks = rows * per_row + 1  # block 0 is the engine's null block
-    caches = [torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    caches = [torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
               for _ in range(2 * LAYERS)]
     tables = (torch.randperm(blocks - 1, generator=g) + 1).reshape(rows, per_row)
     lens = torch.randint(ctx // 2, ctx + 1, (rows,), generator=g)
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="64x400,32x600,8x1024,4x2048", help="rows x longest context, comma-separated")
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--against", default=None, help="another paged_attention.cpp to alternate with ours")
+    ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16")
     args = ap.parse_args()
     from pagedllm_kernels.cpu.build import cpu_supported, extension
 
@@ -78,7 +80,8 @@ def main() -> None:
     emit({"bench": "read_bandwidth", "gb_per_s": round(peak / 1e9, 1)})
     for shape in args.shapes.split(","):
         rows, ctx = (int(v) for v in shape.split("x"))
-        q, caches, tables, lens, starts = caches_for(rows, ctx)
+        cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+        q, caches, tables, lens, starts = caches_for(rows, ctx, cache_dtype=cache_dtype)
         outs = {name: fn(q, caches[0], caches[1], tables, lens, starts, HEAD_DIM ** -0.5, 0, 1.0, 1.0)
                 for name, fn in kernels.items()}
         if "other" in outs:  # the same arithmetic in the same order: equal outputs
@@ -87,8 +90,8 @@ def main() -> None:
         for _ in range(args.passes):
             for name, fn in kernels.items():
                 times[name].append(one_pass(fn, q, caches, tables, lens, starts))
-        kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * 2
-        row = {"rows": rows, "max_context": ctx}
+        kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
+        row = {"rows": rows, "max_context": ctx, "kv_cache_dtype": args.kv_cache_dtype}
         for name, ts in times.items():
             t = statistics.median(ts)
             row[f"{name}_ms"] = round(1000 * t, 3)

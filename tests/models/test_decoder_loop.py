@@ -5,6 +5,8 @@ than the loop takes (the modules run it). Models the loop cannot run keep the mo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import assert_all_blocks_free, random_prompts
@@ -102,3 +104,22 @@ def test_the_switch_is_reported(llama_dir):
 
 def test_unsupported_names_a_reason_for_a_model_outside_the_family():
     assert "decoder" in decoder_loop.unsupported(torch.nn.Linear(2, 2), None)
+
+
+def test_the_loop_clocks_its_attention(llama_dir, monkeypatch):
+    """perf/attention_share.py reads the loop's own clock of its KV stores and attention kernels: it starts at 0,
+    runs while the loop does, and stays below the loop's whole time."""
+    in_loop = []
+    run = decoder_loop.DecoderLoop.__call__
+
+    def timed(self, *args):
+        t0 = time.perf_counter()
+        out = run(self, *args)
+        in_loop.append(time.perf_counter() - t0)
+        return out
+
+    monkeypatch.setattr(decoder_loop.DecoderLoop, "__call__", timed)
+    llm = LLM(llama_dir, **ENGINE)
+    assert loop_of(llm).attention_seconds == 0.0
+    outputs(llm)
+    assert in_loop and 0.0 < loop_of(llm).attention_seconds < sum(in_loop)

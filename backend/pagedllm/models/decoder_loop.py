@@ -47,6 +47,11 @@ class DecoderLoop:
         return (rows <= self.max_rows and kv_caches is self.kv_caches and meta.backend is self.backend
                 and meta.rope_lengths is None)
 
+    @property
+    def attention_seconds(self) -> float:
+        """Time spent so far inside the loop's KV stores and attention kernels (perf/attention_share.py)."""
+        return self._loop.attention_seconds
+
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         cos, sin = (r.reshape(x.shape[0], -1) for r in rope)
         return self._loop.forward(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,

@@ -47,5 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
            pybind11::arg("prefetch"))
-      .def("forward", &DecoderLoop::forward, kFree, "a step through every layer and the final norm (decoder_loop.cpp)");
+      .def("forward", &DecoderLoop::forward, kFree, "a step through every layer and the final norm (decoder_loop.cpp)")
+      .def_property_readonly("attention_seconds", &DecoderLoop::attention_seconds,
+                             "seconds spent in forward's KV stores and attention kernels so far");
 }

@@ -6,6 +6,8 @@
 // each call gets the step's embeddings, rope tables and attention metadata.
 #include "decoder_loop.h"
 
+#include <chrono>
+
 namespace {
 
 // rows [t, K] through one of the layer's bf16 tiled weights (bf16_tiles.py), as PackedLinear does.
@@ -46,9 +48,11 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     }
     rotary_(q, cos, sin);
     rotary_(k, cos, sin);
+    const auto attention_start = std::chrono::steady_clock::now();
     store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
     const torch::Tensor o = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start,
                                             scale_, layer.window, layer.k_scale, layer.v_scale);
+    attention_ns_ += (std::chrono::steady_clock::now() - attention_start).count();
     h = linear(o.view({t, q_size}), layer.o, prefetch_);
     // Feed-forward: SiLU-and-mul between the merged gate/up projection and the down projection.
     add_rms_norm_(h, residual, layer.post_norm, eps_);

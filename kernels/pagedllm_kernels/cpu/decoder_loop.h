@@ -29,10 +29,15 @@ class DecoderLoop {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start);
 
+  // Seconds spent so far in the KV stores and attention kernels of forward's calls (two clock reads a layer):
+  // attention's share of a step, measured where the step runs (perf/attention_share.py).
+  double attention_seconds() const { return static_cast<double>(attention_ns_) * 1e-9; }
+
  private:
   std::vector<Layer> layers_;
   torch::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   bool prefetch_;
+  int64_t attention_ns_ = 0;
 };

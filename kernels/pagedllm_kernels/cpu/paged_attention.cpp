@@ -49,17 +49,23 @@ struct Units<at::BFloat16> {
   }
 };
 
-// 16 of the cache's units in the query's format: the query's own dtype loads as it is; an fp8 cache's 32 elements
-// become bf16 pairs of the same values (simd.h), the per-tensor scales folded into the score scale and the
-// output's normalisation.
+// 16 of the cache's units in the query's format (load), or twice 16 adjacent ones (load2): the query's own
+// dtype loads as it is; an fp8 cache's 32 elements become bf16 pairs of the same values (simd.h; a pair of
+// vectors widens in fewer instructions than two single ones), the per-tensor scales folded into the score
+// scale and the output's normalisation.
 template <typename T, typename C>
 struct CacheUnits {
   static_assert(std::is_same_v<T, C>, "a cache of another dtype than the query's is fp8 with a bf16 query");
   static __m512 load(const C* p) { return Units<T>::load(p); }
+  static void load2(const C* p, __m512& a, __m512& b) {
+    a = Units<T>::load(p);
+    b = Units<T>::load(p + 16 * kUnit<C>);
+  }
 };
 template <>
 struct CacheUnits<at::BFloat16, c10::Float8_e4m3fn> {
   static __m512 load(const c10::Float8_e4m3fn* p) { return pagedllm::fp8x32_to_bf16(p); }
+  static void load2(const c10::Float8_e4m3fn* p, __m512& a, __m512& b) { pagedllm::fp8x64_to_bf16(p, a, b); }
 };
 
 // Unscaled scores of NG query heads for the 16 tokens c..c+15 of one (block, KV head) K run.
@@ -71,8 +77,13 @@ inline void scores16(const T* const* qh, const C* kb, int64_t block_size, int64_
   __m512 even[NG], odd[NG];
   for (int g = 0; g < NG; ++g) even[g] = odd[g] = _mm512_setzero_ps();
   for (int j = 0; j < U; j += 2) {
-    const __m512 k0 = CacheUnits<T, C>::load(kb + (j * block_size + c) * P);
-    const __m512 k1 = CacheUnits<T, C>::load(kb + ((j + 1) * block_size + c) * P);
+    __m512 k0, k1;
+    if (block_size == 16) {  // units j and j + 1 of the 16 tokens are adjacent
+      CacheUnits<T, C>::load2(kb + j * 16 * P, k0, k1);
+    } else {
+      k0 = CacheUnits<T, C>::load(kb + (j * block_size + c) * P);
+      k1 = CacheUnits<T, C>::load(kb + ((j + 1) * block_size + c) * P);
+    }
     for (int g = 0; g < NG; ++g) {
       even[g] = Units<T>::dot(even[g], k0, Units<T>::broadcast(qh[g] + j * P));
       odd[g] = Units<T>::dot(odd[g], k1, Units<T>::broadcast(qh[g] + (j + 1) * P));
@@ -93,8 +104,8 @@ inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
   for (int64_t u = u0; u < u1; ++u) {
     const C* vr = vb + u * D * P;
-    __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = CacheUnits<T, C>::load(vr + 16 * c * P);
+    __m512 vv[CH];  // (CH is even)
+    for (int c = 0; c < CH; c += 2) CacheUnits<T, C>::load2(vr + 16 * c * P, vv[c], vv[c + 1]);
     const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
     if (keep != ~0u)
       for (int c = 0; c < CH; ++c) vv[c] = Units<T>::keep_elements(vv[c], keep);
@@ -105,6 +116,16 @@ inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int
   }
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[g] + 16 * c, a[g][c]);
+}
+
+// An fp8 run's n elements (a multiple of 64) as bf16 of the same values, in the same order.
+inline void widen_run(const c10::Float8_e4m3fn* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) {
+    __m512 a, b;
+    pagedllm::fp8x64_to_bf16(src + i, a, b);
+    _mm512_store_ps(reinterpret_cast<float*>(dst + i), a);
+    _mm512_store_ps(reinterpret_cast<float*>(dst + i + 32), b);
+  }
 }
 
 // The two passes for a run-time head count ng <= NG (templates need it at compile time).
@@ -162,6 +183,8 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     const T* qh[kMaxSlots];
     float* acc_h[kMaxSlots];
     T* probs_h[kMaxSlots];
+    // bf16 copies of an fp8 (block, KV head) run (the same layout: both keep units of two elements).
+    alignas(64) T wide_k[std::is_same_v<T, C> ? 1 : kMaxBlock * D], wide_v[std::is_same_v<T, C> ? 1 : kMaxBlock * D];
     for (int64_t s = 0; s < served; ++s) {
       const int64_t kv = s / per_kv, tok = it.t0 + (s % per_kv) / group, g = s % group;
       qh[s] = q + (query_start[it.row] + tok) * q_stride + ((it.k0 + kv) * group + g) * D;
@@ -207,14 +230,27 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
             _mm_prefetch(vn + off, _MM_HINT_T0);
           }
         }
-        for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
-          const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
-          for (int64_t c = c0; c < b; c += 16) {
-            __m512 sc[SB];
-            scores16_for<T, C, U, SB>(ng, qh + s0 + j0, kb, block_size, c, sc);
-            for (int g = 0; g < ng; ++g)
-              _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[g], _mm512_set1_ps(score_scale)));
+        // An fp8 run read by more than one pass is widened once, into bf16 scratch in L1, not in every pass.
+        auto scores_pass = [&]<typename K>(const K* kr) {
+          for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
+            const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
+            for (int64_t c = c0; c < b; c += 16) {
+              __m512 sc[SB];
+              scores16_for<T, K, U, SB>(ng, qh + s0 + j0, kr, block_size, c, sc);
+              for (int g = 0; g < ng; ++g)
+                _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[g], _mm512_set1_ps(score_scale)));
+            }
           }
+        };
+        if constexpr (!std::is_same_v<T, C>) {
+          if (per_kv > SB) {
+            widen_run(kb, wide_k, run);
+            scores_pass(static_cast<const T*>(wide_k));
+          } else {
+            scores_pass(kb);
+          }
+        } else {
+          scores_pass(kb);
         }
         for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the block's max, rescale, probabilities
           const int64_t s = s0 + j;
@@ -244,9 +280,21 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
           }
           _mm512_store_ps(denom[s], sum);
         }
-        for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
-          weighted_values_for<T, C, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vb, probs_h + j0,
-                                         acc_h + s0 + j0, u0, u1, keep_first, keep_last);
+        auto values_pass = [&]<typename V>(const V* vr) {
+          for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
+            weighted_values_for<T, V, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vr,
+                                              probs_h + j0, acc_h + s0 + j0, u0, u1, keep_first, keep_last);
+        };
+        if constexpr (!std::is_same_v<T, C>) {
+          if (per_kv > VB) {
+            widen_run(vb, wide_v, run);
+            values_pass(static_cast<const T*>(wide_v));
+          } else {
+            values_pass(vb);
+          }
+        } else {
+          values_pass(vb);
+        }
       }
     }
     for (int64_t s = 0; s < served; ++s) {

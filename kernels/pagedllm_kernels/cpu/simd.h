@@ -54,24 +54,56 @@ constexpr uint16_t e4m3_bf16_bits(int code) {
   const int top = m >= 4 ? 2 : (m >= 2 ? 1 : 0);  // m * 2^-9 = 2^(top-9) * (m / 2^top)
   return static_cast<uint16_t>(((top - 9 + 127) << 7) | ((m - (1 << top)) << (7 - top)));
 }
-struct E4m3Table {
-  alignas(64) uint16_t bits[128];
-  constexpr E4m3Table() : bits() {
-    for (int c = 0; c < 128; ++c) bits[c] = e4m3_bf16_bits(c);
+// The bf16 bits' low and high bytes of e4m3 codes 0..127, as two 128-byte tables (two vectors each).
+struct E4m3ByteTables {
+  alignas(64) uint8_t low[128];
+  alignas(64) uint8_t high[128];
+  constexpr E4m3ByteTables() : low(), high() {
+    for (int c = 0; c < 128; ++c) {
+      low[c] = static_cast<uint8_t>(e4m3_bf16_bits(c) & 0xff);
+      high[c] = static_cast<uint8_t>(e4m3_bf16_bits(c) >> 8);
+    }
   }
 };
-inline constexpr E4m3Table kE4m3Bf16{};
+inline constexpr E4m3ByteTables kE4m3Bytes{};
 
-// 32 e4m3 bytes -> 32 bf16 of the same values: two 64-entry table lookups (vpermi2w) on the low 7 bits, the
-// one the code's bit 6 picks, and the sign bit moved from bit 7 to bit 15.
+// Up to 64 e4m3 codes (bytes) -> their bf16 values' low and high bytes: one 128-entry byte lookup (vpermi2b
+// reads the low 7 bits, the magnitude) for each, and the sign bit copied from the code into the high byte.
+inline void e4m3_bf16_bytes(__m512i codes, __m512i& low, __m512i& high) {
+  const __m512i* t = reinterpret_cast<const __m512i*>(kE4m3Bytes.low);
+  low = _mm512_permutex2var_epi8(_mm512_load_si512(t), codes, _mm512_load_si512(t + 1));
+  high = _mm512_permutex2var_epi8(_mm512_load_si512(t + 2), codes, _mm512_load_si512(t + 3));
+  high = _mm512_ternarylogic_epi32(high, codes, _mm512_set1_epi8(-0x80), 0xF8);  // high | (codes & 0x80)
+}
+
+// Byte indices that interleave low[i], high[i] into 16-bit element i, for i in [32 * half, 32 * half + 32).
+inline __m512i interleave_index(int half) {
+  alignas(64) static constexpr auto kIndex = [] {
+    struct { uint8_t v[2][64]; } ix{};
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 32; ++i) {
+        ix.v[h][2 * i] = static_cast<uint8_t>(32 * h + i);            // from low (bit 6 clear)
+        ix.v[h][2 * i + 1] = static_cast<uint8_t>(64 + 32 * h + i);   // from high
+      }
+    return ix;
+  }();
+  return _mm512_load_si512(kIndex.v[half]);
+}
+
+// 32 e4m3 bytes -> 32 bf16 of the same values (four byte shuffles).
 inline __m512 fp8x32_to_bf16(const c10::Float8_e4m3fn* p) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i* t = reinterpret_cast<const __m512i*>(kE4m3Bf16.bits);
-  const __m512i lo = _mm512_permutex2var_epi16(_mm512_load_si512(t), w, _mm512_load_si512(t + 1));
-  const __m512i hi = _mm512_permutex2var_epi16(_mm512_load_si512(t + 2), w, _mm512_load_si512(t + 3));
-  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
-  // mag | (w << 8 & 0x8000)
-  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-0x8000), 0xF8));
+  __m512i low, high;
+  e4m3_bf16_bytes(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), low, high);
+  return _mm512_castsi512_ps(_mm512_permutex2var_epi8(low, interleave_index(0), high));
+}
+
+// 64 e4m3 bytes -> their first 32 and last 32 as bf16 (five byte shuffles: half the work a value of two calls
+// of the above).
+inline void fp8x64_to_bf16(const c10::Float8_e4m3fn* p, __m512& first, __m512& second) {
+  __m512i low, high;
+  e4m3_bf16_bytes(_mm512_loadu_si512(p), low, high);
+  first = _mm512_castsi512_ps(_mm512_permutex2var_epi8(low, interleave_index(0), high));
+  second = _mm512_castsi512_ps(_mm512_permutex2var_epi8(low, interleave_index(1), high));
 }
 
 // 16 fp32 (already divided by the scale) -> 16 e4m3 bytes, round to nearest even, clamped to +-448 (torch's
