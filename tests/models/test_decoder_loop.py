@@ -13,6 +13,8 @@ from conftest import assert_all_blocks_free, random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import decoder_loop
+from pagedllm.models.layers.int4_linear import CPU_KERNEL_ROWS
+from pagedllm.models.quantization.tiny_checkpoints import make_fp8_checkpoint, make_int4_checkpoint
 from pagedllm.tiny_model import make_variant_model
 from pagedllm_kernels.cpu import build
 
@@ -72,6 +74,26 @@ def test_the_loop_takes_windows_and_mlp_bias(tmp_path, loop_calls, changes):
 
 def test_the_loop_reads_and_writes_an_fp8_cache(llama_dir, loop_calls):
     compare(llama_dir, loop_calls, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("method,group,desc_act", [("awq", 32, False), ("gptq", 64, True)], ids=["awq", "gptq_desc_act"])
+def test_the_loop_runs_int4_linears(llama_dir, tmp_path, loop_calls, method, group, desc_act):
+    """Up to the int4 kernel's 64 rows (the 129-token prompt's step takes the modules)."""
+    quantized, _ = make_int4_checkpoint(llama_dir, str(tmp_path / method), method, group, desc_act, sym=False)
+    llm = compare(quantized, loop_calls)
+    assert loop_of(llm).max_rows == CPU_KERNEL_ROWS and max(loop_calls) <= CPU_KERNEL_ROWS
+
+
+@pytest.mark.parametrize("activations", [None, "dynamic_token", "static"])
+def test_the_loop_runs_fp8_linears(llama_dir, tmp_path, loop_calls, activations):
+    """Weight-only, and with the activations rounded to e4m3 per token or at the checkpoint's static scale."""
+    quantized, _ = make_fp8_checkpoint(llama_dir, str(tmp_path / "fp8"), "compressed-tensors", "channel", activations)
+    compare(quantized, loop_calls)
+
+
+@pytest.mark.skipif(not build.vnni_supported()[0], reason="W8A8 needs AVX512-VNNI")
+def test_the_loop_runs_int8_linears(llama_dir, loop_calls):
+    compare(llama_dir, loop_calls, quantization="int8")
 
 
 def test_steps_of_more_rows_than_the_loop_takes_run_through_the_modules(llama_dir, loop_calls, monkeypatch):

@@ -9,11 +9,13 @@ arguments, so its output is bit-identical to the modules'; it holds the weights 
 per runner.
 
 `attach_decoder_loop` gives it to a model where every layer is made of parts it runs: the plain DecoderLayer
-(Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), PackedLinear with its bf16 tiles, the fused
-ops, the CPU attention backend, rope over whole heads whose frequencies do not depend on the sequence's length,
-no LoRA. Anything else (AMX or quantized linears, experts, Gemma's norms, soft-capping, tensor parallelism, the
-torch backend) keeps the modules, and so does a step with more rows than the tiles take (prefill chunks: the
-linears go to oneDNN there, and Python's share of such a step is negligible).
+(Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), linears whose CPU kernels it calls as their
+modules do (PackedLinear's bf16 tiles, Int4Linear's AWQ/GPTQ kernel, Fp8Linear's widening kernel with its
+activations' rounding, Int8Linear's W8A8 one), the fused ops, the CPU attention backend, rope over whole heads
+whose frequencies do not depend on the sequence's length, no LoRA. Anything else (AMX linears, experts, Gemma's
+norms, soft-capping, tensor parallelism, the torch backend) keeps the modules, and so does a step with more rows
+than a linear's kernel takes (the bf16 tiles' raced limit, int4's 64: prefill chunks, where the linears go to
+oneDNN and Python's share of the step is negligible).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import logging
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.models.layers.fp8_linear import Fp8Linear
+from pagedllm.models.layers.int4_linear import CPU_KERNEL_ROWS, Int4Linear
+from pagedllm.models.layers.int8_linear import Int8Linear
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.packed_linear import PackedLinear
 from pagedllm.models.llama import MLP, Attention, DecoderLayer, DecoderModel
+from pagedllm_kernels.cpu.build import kernel_module
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +40,14 @@ class DecoderLoop:
     def __init__(self, model, kv_caches: list[torch.Tensor], backend, ops) -> None:
         decoder = model.model
         attn = decoder.layers[0].self_attn
-        linear = attn.qkv_proj  # its race settings are every linear's (`unsupported` checks)
+        linears = [linear for layer in decoder.layers for linear in _linears(layer)]
+        tiles = [linear for linear in linears if type(linear) is PackedLinear]  # one race setting (`unsupported`)
         self.kv_caches, self.backend = kv_caches, backend
-        self.max_rows = linear.max_tile_rows
+        self.max_rows = min(_max_rows(linear) for linear in linears)
         self._loop = ops.loop(
             [_layer(ops, layer, cache) for layer, cache in zip(decoder.layers, kv_caches)], decoder.norm.weight,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale, linear.prefetch)
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale,
+            tiles[0].prefetch if tiles else False)
 
     def takes(self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step runs through the loop: few enough rows for the tiles, on the caches and backend it
@@ -62,9 +70,45 @@ def _linears(layer) -> list:
     return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
+def _max_rows(linear) -> int:
+    """The most rows the kernel the loop calls for `linear` takes, as its module's CPU path decides."""
+    if type(linear) is PackedLinear:
+        return linear.max_tile_rows
+    return CPU_KERNEL_ROWS if type(linear) is Int4Linear else 1 << 30  # fp8 and int8: one kernel for every size
+
+
+def _loop_linear(ops, linear):
+    """`linear` as the loop's linear: the kernel its module's forward calls on a bf16 CPU input."""
+    if type(linear) is PackedLinear:
+        return ops.linear(linear.weight_tiles, linear.bias_f32)
+    if type(linear) is Int4Linear:
+        return ops.int4_linear(linear.packed, linear.scales, linear.mins, linear.group_size, linear.perm, linear.bias)
+    if type(linear) is Fp8Linear:
+        return ops.fp8_linear(linear.packed, linear.scales, linear.bias, linear.config.activations,
+                              linear.input_scale_value)
+    return ops.int8_linear(linear.packed, linear.scales, linear.wsum, linear.bias)
+
+
+def _why_not_loop_linear(linear) -> str | None:
+    """Why the loop cannot call `linear`'s kernel as its module would, or None."""
+    if type(linear) is PackedLinear:
+        return None if linear.tiles_kernel is not None else "bf16 linears without our tiles (AMX, fp32)"
+    if type(linear) is Int4Linear:
+        return None if kernel_module("int4_linear") is not None else "int4 linears without our CPU kernel"
+    if type(linear) is Fp8Linear:
+        if linear.tensor_cores or kernel_module("fp8_linear") is None:
+            return "fp8 linears off our CPU kernel"
+        if linear.config.activations is not None and linear.in_features % 32:
+            return "fp8 activations rounded in torch (inputs not a multiple of 32)"
+        return None
+    if type(linear) is Int8Linear:
+        return None
+    return f"{type(linear).__name__} linears (sharded, LoRA or others)"
+
+
 def _layer(ops, layer, cache: torch.Tensor):
     attn = layer.self_attn
-    qkv, o, gate_up, down = (ops.linear(linear.weight_tiles, linear.bias_f32) for linear in _linears(layer))
+    qkv, o, gate_up, down = (_loop_linear(ops, linear) for linear in _linears(layer))
     return ops.layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, o, gate_up, down,
                      attn.q_norm.weight if attn.q_norm is not None else None,
                      attn.k_norm.weight if attn.k_norm is not None else None,
@@ -87,7 +131,7 @@ def unsupported(model, backend) -> str | None:
     first = decoder.layers[0].self_attn
     if first.head_dim % 32 or 2 * decoder.rotary.cos.shape[-1] != first.head_dim:
         return "rotary over part of a head, or a head_dim the fused rotary does not take"
-    norms = [decoder.norm]
+    norms, tiles = [decoder.norm], []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, MLP) or mlp.act != "silu":
@@ -97,16 +141,17 @@ def unsupported(model, backend) -> str | None:
         if (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale) != (
                 first.num_heads, first.num_kv_heads, first.head_dim, first.scale):
             return "layers of different attention shapes"
-        linears = _linears(layer)
-        if not all(type(linear) is PackedLinear and linear.tiles_kernel is not None for linear in linears):
-            return "linears other than bf16 tiles (AMX, quantized, sharded or LoRA layers)"
-        if any((linear.max_tile_rows, linear.prefetch) != (first.qkv_proj.max_tile_rows, first.qkv_proj.prefetch)
-               for linear in linears):
-            return "linears raced to different settings"
+        for linear in _linears(layer):
+            why = _why_not_loop_linear(linear)
+            if why is not None:
+                return why
+        tiles.extend(linear for linear in _linears(layer) if type(linear) is PackedLinear)
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (attn.q_norm, attn.k_norm) if n is not None]
     if any(type(n) is not RMSNorm or n.fused_ops is None or n.eps != decoder.norm.eps for n in norms):
         return "norms other than RMSNorm with the fused ops and one epsilon"
+    if any((t.max_tile_rows, t.prefetch) != (tiles[0].max_tile_rows, tiles[0].prefetch) for t in tiles):
+        return "linears raced to different settings"
     return None
 
 

@@ -24,10 +24,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_delta_", &lora_delta_, kFree, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
   pybind11::class_<DecoderLoop::Linear>(m, "LoopLinear")
-      .def(pybind11::init([](torch::Tensor tiles, std::optional<torch::Tensor> bias) {
-             return DecoderLoop::Linear{std::move(tiles), std::move(bias)};
-           }),
-           pybind11::arg("tiles"), pybind11::arg("bias"));
+      .def_static("bf16_tiles", &DecoderLoop::bf16_tiles, pybind11::arg("tiles"), pybind11::arg("bias"))
+      .def_static("int4", &DecoderLoop::int4, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("mins"),
+                  pybind11::arg("group_size"), pybind11::arg("perm"), pybind11::arg("bias"))
+      .def_static("fp8", &DecoderLoop::fp8, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("bias"),
+                  pybind11::arg("round_input"), pybind11::arg("static_scale"), pybind11::arg("per_token"))
+      .def_static("int8", &DecoderLoop::int8, pybind11::arg("packed"), pybind11::arg("scales"),
+                  pybind11::arg("wsum"), pybind11::arg("bias"));
   pybind11::class_<DecoderLoop::Layer>(m, "LoopLayer")
       .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor post_norm, DecoderLoop::Linear qkv,
                              DecoderLoop::Linear o, DecoderLoop::Linear gate_up, DecoderLoop::Linear down,

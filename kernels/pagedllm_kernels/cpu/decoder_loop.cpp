@@ -2,17 +2,41 @@
 // arguments as the Python modules (models/llama.py with the fused ops, PackedLinear's bf16 tiles and the CPU
 // attention backend) call them one by one, so the result is bit-identical; what goes is the Python between the
 // kernels and each call's crossing into the extension (~70 us a layer on the 2-core hosts). Built once per engine
-// (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights and KV caches;
+// (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights (bf16 tiles or a
+// quantized format's, each linear through the kernel its module calls) and the KV caches;
 // each call gets the step's embeddings, rope tables and attention metadata.
 #include "decoder_loop.h"
 
 #include <chrono>
 
+DecoderLoop::Linear DecoderLoop::bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias) {
+  return {[tiles, bias](const torch::Tensor& x, bool prefetch) { return bf16_linear(x, tiles, bias, prefetch); }};
+}
+
+DecoderLoop::Linear DecoderLoop::int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                                      int64_t group_size, std::optional<torch::Tensor> perm,
+                                      std::optional<torch::Tensor> bias) {
+  return {[=](const torch::Tensor& x, bool) {
+    return int4_linear(perm ? x.index_select(1, *perm) : x, packed, scales, mins, group_size, bias);
+  }};
+}
+
+DecoderLoop::Linear DecoderLoop::fp8(torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias,
+                                     bool round_input, double static_scale, bool per_token) {
+  return {[=](const torch::Tensor& x, bool) {
+    return fp8_linear(round_input ? fp8_round_input(x, static_scale, per_token) : x, packed, scales, bias);
+  }};
+}
+
+DecoderLoop::Linear DecoderLoop::int8(torch::Tensor packed, torch::Tensor scales, torch::Tensor wsum,
+                                      std::optional<torch::Tensor> bias) {
+  return {[=](const torch::Tensor& x, bool) { return int8_linear(x, packed, scales, wsum, bias); }};
+}
+
 namespace {
 
-// rows [t, K] through one of the layer's bf16 tiled weights (bf16_tiles.py), as PackedLinear does.
 torch::Tensor linear(const torch::Tensor& rows, const DecoderLoop::Linear& w, bool prefetch) {
-  return bf16_linear(rows, w.tiles, w.bias, prefetch);
+  return w.apply(rows, prefetch);
 }
 
 }  // namespace

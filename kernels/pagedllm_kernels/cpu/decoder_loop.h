@@ -3,14 +3,28 @@
 
 #include "ops.h"
 
+#include <functional>
 #include <vector>
 
 class DecoderLoop {
  public:
+  // One of a layer's linears, rows [t, K] -> [t, N] through the kernel its Python module calls on CPU (the
+  // factories below); `prefetch` is the bf16 tiles' race setting, which the other kernels do not take.
   struct Linear {
-    torch::Tensor tiles;                // the weight in bf16_tiles.py's tiles
-    std::optional<torch::Tensor> bias;  // float32, or none
+    std::function<torch::Tensor(const torch::Tensor& rows, bool prefetch)> apply;
   };
+  // PackedLinear: the weight in bf16_tiles.py's tiles; bias float32 (all four: or none).
+  static Linear bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias);
+  // Int4Linear (AWQ, GPTQ): int4_layout.py's weight; `perm`: GPTQ desc_act's input order, or none.
+  static Linear int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size,
+                     std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias);
+  // Fp8Linear: fp8_linear.py's weight; the input rounded to e4m3 first where the checkpoint's activations are
+  // (`round_input`: at `static_scale`, else per token or per tensor).
+  static Linear fp8(torch::Tensor packed, torch::Tensor scales, std::optional<torch::Tensor> bias, bool round_input,
+                    double static_scale, bool per_token);
+  // Int8Linear: W8A8, int8_linear.py's weight.
+  static Linear int8(torch::Tensor packed, torch::Tensor scales, torch::Tensor wsum,
+                     std::optional<torch::Tensor> bias);
   struct Layer {
     torch::Tensor input_norm, post_norm;            // RMSNorm weights (bf16)
     Linear qkv, o, gate_up, down;                   // q/k/v and gate/up merged, as the model holds them

@@ -11,7 +11,23 @@ from pagedllm_kernels.cpu.build import extension
 
 def linear(tiles: torch.Tensor, bias: torch.Tensor | None):
     """A layer's linear: its weight in bf16_tiles.py's tiles, its float32 bias or None."""
-    return extension().LoopLinear(tiles, bias)
+    return extension().LoopLinear.bf16_tiles(tiles, bias)
+
+
+def int4_linear(packed, scales, mins, group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None):
+    """An int4 (AWQ/GPTQ) linear in int4_layout.py's layout; `perm`: desc_act's input order, or None."""
+    return extension().LoopLinear.int4(packed, scales, mins, int(group_size), perm, bias)
+
+
+def fp8_linear(packed, scales, bias: torch.Tensor | None, activations: str | None, static_scale: float | None):
+    """An fp8-weight linear in fp8_linear.py's layout; `activations` as Fp8Config's (None: bf16 inputs)."""
+    return extension().LoopLinear.fp8(packed, scales, bias, activations is not None, float(static_scale or 0.0),
+                                      activations == "dynamic_token")
+
+
+def int8_linear(packed, scales, wsum, bias: torch.Tensor | None):
+    """A W8A8 linear in int8_linear.py's layout."""
+    return extension().LoopLinear.int8(packed, scales, wsum, bias)
 
 
 def layer(input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, k_cache, v_cache, window: int,
