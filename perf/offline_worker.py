@@ -8,7 +8,7 @@ OPTIONS_JSON: more engine arguments (e.g. {"kv_cache_dtype": "fp8"}). The ready 
 footprint: the bytes its weights hold and one token's KV bytes.
 
 Protocol: one JSON object per line on stdin, {"prompts": [[ids]], "max_tokens": N, "repeats": R,
-"min_seconds": S}; for each, one JSON line on stdout, {"seconds": [...], "tokens": [...], "warmup_seconds": s}.
+"min_seconds": S, "warmup": true (the default; false: no untimed run first)}; for each, one JSON line on stdout, {"seconds": [...], "tokens": [...], "warmup_seconds": s}.
 Every cell is first run once untimed (the warm-up: caches, allocator, compiled graphs reach steady state),
 then at least R times and until S seconds are timed (at most 4R runs); the prefix cache is reset before every
 run, so each one prefills its prompts.
@@ -71,7 +71,7 @@ def main() -> None:
         cell = json.loads(line)
         prompts = [{"prompt_token_ids": p} for p in cell["prompts"]]
         params = sampling_params(temperature=0, max_tokens=cell["max_tokens"], ignore_eos=True)
-        warmup, _ = timed(llm, prompts, params)
+        warmup = timed(llm, prompts, params)[0] if cell.get("warmup", True) else 0.0
         runs = []
         while len(runs) < cell["repeats"] or (sum(s for s, _ in runs) < cell["min_seconds"]
                                               and len(runs) < 4 * cell["repeats"]):

@@ -22,7 +22,10 @@ How each engine is treated (the same for both):
   in ABBA order, so the host's drift falls on both;
 - per cell: one untimed warm-up run of the cell itself, then timed runs (at least --repeats, and at least
   --min-seconds in all), the prefix cache reset before each; every run is printed, and the cell's figure is
-  the median of its timed runs (steady state).
+  the median of its timed runs (steady state). With --rounds N the engines instead take turns run by run:
+  after each one's warm-up, N rounds of one timed run per engine (ABBA from round to round), so that a
+  slow spell of the host (minutes long on these shared machines) falls on every engine, not on whichever
+  was running its block of repeats then.
 
 Prints one JSON line per engine and cell (every run), one per cell with the ratio pagedllm / vLLM, and the
 geometric mean of the ratios per model and over the grid.
@@ -72,9 +75,9 @@ class Worker:
                 return json.loads(line)
         raise RuntimeError(f"{self.engine} worker exited ({self.proc.wait()})")
 
-    def run(self, prompts, max_tokens: int, repeats: int, min_seconds: float) -> dict:
+    def run(self, prompts, max_tokens: int, repeats: int, min_seconds: float, warmup: bool = True) -> dict:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "repeats": repeats,
-                                          "min_seconds": min_seconds}) + "\n")
+                                          "min_seconds": min_seconds, "warmup": warmup}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cell, at least")
     ap.add_argument("--min-seconds", type=float, default=10.0, help="timed seconds per cell, at least")
+    ap.add_argument("--rounds", type=int, default=0, help="engines take turns run by run, N timed runs each")
     ap.add_argument("--quick", action="store_true", help="tiny model, short prompts, 16 tokens, 1 and 8 seqs")
     args = ap.parse_args()
     if args.quick:
@@ -116,13 +120,11 @@ def main() -> None:
             prompts = random_workload(seqs, *PROMPTS[kind], vocab, seed=i)
             cell = {"model": size, "prompts": kind, "output_tokens": max_tokens, "seqs": seqs}
             medians = {}
-            for w in (workers if i % 2 == 0 else workers[::-1]):  # ABBA: neither engine always goes first
-                res = w.run(prompts, max_tokens, args.repeats, args.min_seconds)
-                rates = [t / s for t, s in zip(res["tokens"], res["seconds"])]
-                medians[w.engine] = statistics.median(rates)
-                emit({**cell, "engine": w.engine, "warmup_s": round(res["warmup_seconds"], 2),
+            for engine, (warmup, rates) in _cell_runs(workers, prompts, max_tokens, i, args).items():
+                medians[engine] = statistics.median(rates)
+                emit({**cell, "engine": engine, "warmup_s": round(warmup, 2),
                       "runs_tokens_per_s": [round(r, 1) for r in rates],
-                      "steady_state_tokens_per_s": round(medians[w.engine], 1)})
+                      "steady_state_tokens_per_s": round(medians[engine], 1)})
             if "vllm" in medians and "pagedllm" in medians:
                 ratio = medians["pagedllm"] / medians["vllm"]
                 ratios.setdefault(size, []).append(ratio)
@@ -138,6 +140,24 @@ def main() -> None:
     if every:
         emit({"grid": "all", "cells": len(every), "geomean_ratio_pagedllm_over_vllm": round(_geomean(every), 3),
               "min_ratio": round(min(every), 3), "cells_below_1": sum(r < 1 for r in every)})
+
+
+def _cell_runs(workers, prompts, max_tokens: int, i: int, args) -> dict[str, tuple[float, list[float]]]:
+    """Per engine: its warm-up seconds and its timed runs' tokens/s, engines in ABBA order (neither always
+    first): each its block of repeats, or with --rounds one run at a time."""
+    def order(k: int):
+        return workers if k % 2 == 0 else workers[::-1]
+
+    out = {w.engine: (0.0, []) for w in workers}
+    for k, (repeats, min_seconds, warmup) in enumerate(
+            [(1, 0.0, True)] + [(1, 0.0, False)] * (args.rounds - 1) if args.rounds
+            else [(args.repeats, args.min_seconds, True)]):
+        for w in order(i + k):
+            res = w.run(prompts, max_tokens, repeats, min_seconds, warmup)
+            before, rates = out[w.engine]
+            rates = rates + [t / s for t, s in zip(res["tokens"], res["seconds"])]
+            out[w.engine] = (before + res["warmup_seconds"], rates)
+    return out
 
 
 def _value(text: str):

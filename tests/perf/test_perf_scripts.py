@@ -39,6 +39,14 @@ def test_quick_mode_prints_its_ratios(script, args, key):
     assert values and all(v > 0 for v in values)
 
 
+def test_throughput_rounds_give_each_engine_one_run_a_round():
+    records = run("throughput.py", "--quick", "--rounds", "3", "--engines", "pagedllm,pagedllm:kv_cache_dtype=fp8")
+    cells = [r for r in records if "steady_state_tokens_per_s" in r]
+    assert sorted(r["engine"] for r in cells) == ["pagedllm"] * 2 + ["pagedllm:kv_cache_dtype=fp8"] * 2  # 1, 8 seqs
+    assert all(len(r["runs_tokens_per_s"]) == 3 and r["warmup_s"] > 0 for r in cells)
+    assert [r["ratio_over_pagedllm"] for r in records if "ratio_over_pagedllm" in r][0] > 0
+
+
 @needs_kernels
 def test_attention_share_is_clocked_inside_the_decoder_loop():
     """The C++ decoder loop runs these steps, out of the Python timer's sight (which read 0 ms): its own clock
