@@ -1,4 +1,4 @@
-"""The decoder's layers in one C++ call (pagedllm_kernels/cpu/decoder_loop.cpp) for steps of few rows on CPU.
+"""The decoder's layers in one C++ call (pagedllm_kernels/cpu/decoder_loop.cpp) for the steps its kernels take on CPU.
 
 A bf16 decode step of the Llama family is a few hundred short kernel calls (per layer: two norms, four linears,
 two rotaries, the KV store, attention, SiLU-and-mul) and what surrounds them: the modules' Python (module calls,
@@ -15,7 +15,8 @@ activations' rounding, Int8Linear's W8A8 one), the fused ops, the CPU attention 
 whose frequencies do not depend on the sequence's length, no LoRA. Anything else (AMX linears, experts, Gemma's
 norms, soft-capping, tensor parallelism, the torch backend) keeps the modules, and so does a step with more rows
 than a linear's kernel takes (the bf16 tiles' raced limit, int4's 64: prefill chunks, where the linears go to
-oneDNN and Python's share of the step is negligible).
+oneDNN and Python's share of the step is negligible; fp8 and int8 linears have one kernel for every size, so
+their models' prompt steps run through the loop too).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pagedllm_kernels.cpu.build import kernel_module
 
 logger = logging.getLogger(__name__)
 
+UNLIMITED = 1 << 30  # the row limit of a linear whose kernel takes any batch
+
 
 class DecoderLoop:
     def __init__(self, model, kv_caches: list[torch.Tensor], backend, ops) -> None:
@@ -50,8 +53,8 @@ class DecoderLoop:
             tiles[0].prefetch if tiles else False)
 
     def takes(self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        """Whether this step runs through the loop: few enough rows for the tiles, on the caches and backend it
-        was built for (a draft model's runner has its own)."""
+        """Whether this step runs through the loop: few enough rows for its linears' kernels, on the caches and
+        backend it was built for (a draft model's runner has its own)."""
         return (rows <= self.max_rows and kv_caches is self.kv_caches and meta.backend is self.backend
                 and meta.rope_lengths is None)
 
@@ -74,7 +77,7 @@ def _max_rows(linear) -> int:
     """The most rows the kernel the loop calls for `linear` takes, as its module's CPU path decides."""
     if type(linear) is PackedLinear:
         return linear.max_tile_rows
-    return CPU_KERNEL_ROWS if type(linear) is Int4Linear else 1 << 30  # fp8 and int8: one kernel for every size
+    return CPU_KERNEL_ROWS if type(linear) is Int4Linear else UNLIMITED  # fp8 and int8: one kernel for every size
 
 
 def _loop_linear(ops, linear):
@@ -165,5 +168,6 @@ def attach_decoder_loop(model, kv_caches: list[torch.Tensor], backend, ops) -> b
         logger.info("decoder layers: one Python call per kernel (not the C++ loop: %s)", why)
         return False
     model.model.decoder_loop = DecoderLoop(model, kv_caches, backend, ops)
-    logger.info("decoder layers: one C++ call a step up to %d rows", model.model.decoder_loop.max_rows)
+    rows = model.model.decoder_loop.max_rows
+    logger.info("decoder layers: one C++ call a step, %s", f"up to {rows} rows" if rows < UNLIMITED else "any size")
     return True

@@ -1,5 +1,5 @@
 // The Llama-family decoder's layers run in one C++ call: the same kernels, in the same order and with the same
-// arguments as the Python modules (models/llama.py with the fused ops, PackedLinear's bf16 tiles and the CPU
+// arguments as the Python modules (models/llama.py with the fused ops, the linears' CPU kernels and the CPU
 // attention backend) call them one by one, so the result is bit-identical; what goes is the Python between the
 // kernels and each call's crossing into the extension (~70 us a layer on the 2-core hosts). Built once per engine
 // (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights (bf16 tiles or a
@@ -76,7 +76,8 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
     const torch::Tensor o = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start,
                                             scale_, layer.window, layer.k_scale, layer.v_scale);
-    attention_ns_ += (std::chrono::steady_clock::now() - attention_start).count();
+    attention_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                                          attention_start).count();
     h = linear(o.view({t, q_size}), layer.o, prefetch_);
     // Feed-forward: SiLU-and-mul between the merged gate/up projection and the down projection.
     add_rms_norm_(h, residual, layer.post_norm, eps_);

@@ -3,6 +3,7 @@
 
 #include "ops.h"
 
+#include <atomic>
 #include <functional>
 #include <vector>
 
@@ -53,5 +54,5 @@ class DecoderLoop {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   bool prefetch_;
-  int64_t attention_ns_ = 0;
+  std::atomic<int64_t> attention_ns_{0};  // forward runs without the GIL: Python may read it meanwhile
 };

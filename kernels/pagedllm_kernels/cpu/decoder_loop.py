@@ -1,6 +1,6 @@
 """The decoder layers' loop in C++ (decoder_loop.cpp): one call runs a step through every Llama-family layer with
-the kernels beside it (bf16 tiles, fused norms and rotary, the KV store, paged attention), bit-identical to
-calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
+the kernels beside it (the linears' bf16 tiles or int4 / fp8 / int8 kernels, fused norms and rotary, the KV store,
+paged attention), bit-identical to calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def int4_linear(packed, scales, mins, group_size: int, perm: torch.Tensor | None
 
 def fp8_linear(packed, scales, bias: torch.Tensor | None, activations: str | None, static_scale: float | None):
     """An fp8-weight linear in fp8_linear.py's layout; `activations` as Fp8Config's (None: bf16 inputs)."""
-    return extension().LoopLinear.fp8(packed, scales, bias, activations is not None, float(static_scale or 0.0),
+    static = float(static_scale) if activations == "static" else 0.0  # 0: the scale from the input's max
+    return extension().LoopLinear.fp8(packed, scales, bias, activations is not None, static,
                                       activations == "dynamic_token")
 
 

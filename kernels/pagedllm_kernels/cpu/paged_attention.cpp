@@ -104,7 +104,8 @@ inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
   for (int64_t u = u0; u < u1; ++u) {
     const C* vr = vb + u * D * P;
-    __m512 vv[CH];  // (CH is even)
+    static_assert(CH % 2 == 0, "value vectors are loaded in pairs");
+    __m512 vv[CH];
     for (int c = 0; c < CH; c += 2) CacheUnits<T, C>::load2(vr + 16 * c * P, vv[c], vv[c + 1]);
     const __mmask32 keep = (u == u0 ? keep_first : ~0u) & (u == u1 - 1 ? keep_last : ~0u);
     if (keep != ~0u)
