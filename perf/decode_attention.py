@@ -78,9 +78,9 @@ def main() -> None:
         kernels["other"] = build_kernel_source(args.against, "paged_attention")
     peak = read_bandwidth()
     emit({"bench": "read_bandwidth", "gb_per_s": round(peak / 1e9, 1)})
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     for shape in args.shapes.split(","):
         rows, ctx = (int(v) for v in shape.split("x"))
-        cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
         q, caches, tables, lens, starts = caches_for(rows, ctx, cache_dtype=cache_dtype)
         outs = {name: fn(q, caches[0], caches[1], tables, lens, starts, HEAD_DIM ** -0.5, 0, 1.0, 1.0)
                 for name, fn in kernels.items()}

@@ -33,14 +33,6 @@ DecoderLoop::Linear DecoderLoop::int8(torch::Tensor packed, torch::Tensor scales
   return {[=](const torch::Tensor& x, bool) { return int8_linear(x, packed, scales, wsum, bias); }};
 }
 
-namespace {
-
-torch::Tensor linear(const torch::Tensor& rows, const DecoderLoop::Linear& w, bool prefetch) {
-  return w.apply(rows, prefetch);
-}
-
-}  // namespace
-
 DecoderLoop::DecoderLoop(std::vector<Layer> layers, torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, double eps, double scale, bool prefetch)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), heads_(num_heads), kv_heads_(num_kv_heads),
@@ -62,7 +54,7 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     const Layer& layer = layers_[i];
     if (i > 0) add_rms_norm_(h, residual, layer.input_norm, eps_);
     // Attention: q, k, v are views of the projection's rows, as the Python's split + reshape leaves them.
-    const torch::Tensor qkv = linear(h, layer.qkv, prefetch_);
+    const torch::Tensor qkv = layer.qkv.apply(h, prefetch_);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
@@ -78,10 +70,10 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
                                             scale_, layer.window, layer.k_scale, layer.v_scale);
     attention_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                                           attention_start).count();
-    h = linear(o.view({t, q_size}), layer.o, prefetch_);
+    h = layer.o.apply(o.view({t, q_size}), prefetch_);
     // Feed-forward: SiLU-and-mul between the merged gate/up projection and the down projection.
     add_rms_norm_(h, residual, layer.post_norm, eps_);
-    h = linear(silu_and_mul(linear(h, layer.gate_up, prefetch_)), layer.down, prefetch_);
+    h = layer.down.apply(silu_and_mul(layer.gate_up.apply(h, prefetch_)), prefetch_);
   }
   add_rms_norm_(h, residual, final_norm_, eps_);
   return h;

@@ -231,7 +231,17 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
             _mm_prefetch(vn + off, _MM_HINT_T0);
           }
         }
-        // An fp8 run read by more than one pass is widened once, into bf16 scratch in L1, not in every pass.
+        // A pass over a run of the cache, given the run: an fp8 run that more than one pass reads is widened once,
+        // into bf16 scratch in L1, and the passes read that; otherwise they read (and widen) the cache itself.
+        auto read_run = [&](const C* r, T* scratch, bool several_passes, auto&& pass) {
+          if constexpr (!std::is_same_v<T, C>) {
+            if (several_passes) {
+              widen_run(r, scratch, run);
+              return pass(static_cast<const T*>(scratch));
+            }
+          }
+          pass(r);
+        };
         auto scores_pass = [&]<typename K>(const K* kr) {
           for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
             const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
@@ -243,16 +253,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
             }
           }
         };
-        if constexpr (!std::is_same_v<T, C>) {
-          if (per_kv > SB) {
-            widen_run(kb, wide_k, run);
-            scores_pass(static_cast<const T*>(wide_k));
-          } else {
-            scores_pass(kb);
-          }
-        } else {
-          scores_pass(kb);
-        }
+        read_run(kb, wide_k, per_kv > SB, scores_pass);
         for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the block's max, rescale, probabilities
           const int64_t s = s0 + j;
           const int64_t aj = std::max(a, first[j] - start), bj = std::min(b, len[j] - start);
@@ -286,16 +287,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
             weighted_values_for<T, V, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vr,
                                               probs_h + j0, acc_h + s0 + j0, u0, u1, keep_first, keep_last);
         };
-        if constexpr (!std::is_same_v<T, C>) {
-          if (per_kv > VB) {
-            widen_run(vb, wide_v, run);
-            values_pass(static_cast<const T*>(wide_v));
-          } else {
-            values_pass(vb);
-          }
-        } else {
-          values_pass(vb);
-        }
+        read_run(vb, wide_v, per_kv > VB, values_pass);
       }
     }
     for (int64_t s = 0; s < served; ++s) {
