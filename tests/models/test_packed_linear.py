@@ -4,12 +4,14 @@ its rows within bf16 rounding of F.linear and oneDNN's still bit-identical."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers.packed_linear import PackedLinear, _tiles_kernel, bucket_rows, packing_available
+from pagedllm.models.layers.packed_linear import PackedLinear, _tiles_kernels, bucket_rows, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN packing is not available here")
 
@@ -35,14 +37,22 @@ def test_padded_rows_change_no_result(bias):
             assert torch.equal(got, F.linear(x, linear.weight, linear.bias)), rows
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_go_to_our_kernel(bias):
-    kernel = _tiles_kernel()
+def _kernel(name: str):
+    """Our small-batch kernel `name` ("bf16_tiles" or "amx_linear"), or skip where this host has none."""
+    kernel = next((k for k in _tiles_kernels(use_amx=True) if k.__name__.endswith("." + name)), None)
     if kernel is None:
-        pytest.skip("no AVX512-BF16 kernel on this host")
+        pytest.skip(f"no {name} kernel on this host")
+    return kernel
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name", ["bf16_tiles", "amx_linear"])
+def test_few_rows_go_to_our_kernel(bias, name):
+    kernel = _kernel(name)
     torch.manual_seed(0)
     linear = nn.Linear(192, 320, bias=bias).to(torch.bfloat16)
-    packed = PackedLinear(linear, kernel)
+    packed = PackedLinear(linear, [kernel])
+    assert packed.tiles_kernel is kernel
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 9, kernel.MAX_ROWS, kernel.MAX_ROWS + 1):
             x = torch.randn(rows, 192, dtype=torch.bfloat16)
@@ -54,13 +64,12 @@ def test_few_rows_go_to_our_kernel(bias):
                 assert torch.equal(got, want), rows
 
 
-def test_the_row_limit_raced_at_load_is_honoured():
-    kernel = _tiles_kernel()
-    if kernel is None:
-        pytest.skip("no AVX512-BF16 kernel on this host")
+@pytest.mark.parametrize("name", ["bf16_tiles", "amx_linear"])
+def test_the_row_limit_raced_at_load_is_honoured(name):
+    kernel = _kernel(name)
     torch.manual_seed(0)
     linear = nn.Linear(192, 320).to(torch.bfloat16)
-    packed = PackedLinear(linear, kernel)
+    packed = PackedLinear(linear, [kernel])
     packed.max_tile_rows = 16
     with torch.inference_mode():
         x = torch.randn(17, 192, dtype=torch.bfloat16)
@@ -68,10 +77,17 @@ def test_the_row_limit_raced_at_load_is_honoured():
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))  # oneDNN above the limit
 
 
+def _fake_layer(max_tile_rows: int, prefetch_switch: bool = True, **more):
+    """A PackedLinear as the race sees it (its timings are faked), whose kernel has a software prefetch to switch
+    (bf16_tiles) or none (amx_linear)."""
+    return type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": max_tile_rows,
+                              "tiles_kernel": SimpleNamespace(PREFETCH_SWITCH=prefetch_switch), **more})
+
+
 def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
     from pagedllm.models.layers import linear_race
 
-    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 512})
+    fake = _fake_layer(512)
     layers = [("model.layers.0.mlp.down_proj", fake)]
 
     def fake_time(ours_s):
@@ -95,7 +111,7 @@ def test_a_loss_must_hold_when_timed_again(monkeypatch):
     holds over every re-timing does, and both paths were timed that many times more."""
     from pagedllm.models.layers import linear_race
 
-    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 512})
+    fake = _fake_layer(512)
     calls = []
 
     def noisy(ls, xs, tile, repeats):
@@ -119,8 +135,7 @@ def test_the_race_keeps_the_faster_prefetch_setting(monkeypatch, faster):
     layer keeps, and what the row race then times."""
     from pagedllm.models.layers import linear_race
 
-    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 512,
-                              "prefetch": None})
+    fake = _fake_layer(512, prefetch=None)
     seen = []
 
     def fake_time(ls, xs, tile, repeats):
@@ -140,8 +155,7 @@ def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
     from pagedllm.models.layers import linear_race
     from pagedllm.models.layers.packed_linear import pack_linears
 
-    if _tiles_kernel() is None:
-        pytest.skip("no AVX512-BF16 kernel on this host")
+    _kernel("bf16_tiles")
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256), nn.Linear(256, 512), nn.Linear(512, 256))
     model = model.to(torch.bfloat16)
     assert pack_linears(model, use_amx=False) == 4
@@ -152,7 +166,37 @@ def test_pack_linears_gives_every_tiled_layer_the_raced_limit():
 def test_the_race_stops_at_the_layers_own_ceiling(monkeypatch):
     from pagedllm.models.layers import linear_race
 
-    fake = type("Layer", (), {"in_features": 8, "weight_tiles": torch.zeros(4), "max_tile_rows": 64})
+    fake = _fake_layer(64)
     monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: 0.01 if tile else 0.02)
     limit, _, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
     assert limit == 64 and [r["rows"] for r in record[1:]] == [16, 32, 64]
+
+
+def test_a_kernel_without_a_prefetch_switch_races_rows_only(monkeypatch):
+    """The AMX kernel has no software prefetch to switch: no prefetch race, the rows raced from 16 on."""
+    from pagedllm.models.layers import linear_race
+
+    fake = _fake_layer(512, prefetch_switch=False, prefetch=True)
+    timed = []
+    monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: timed.append(
+        next(iter(xs.values())).shape[0]) or (0.01 if tile else 0.02))
+    limit, prefetch, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
+    assert limit == 512 and prefetch and [r["rows"] for r in record] == list(linear_race.RACE_ROWS)
+    assert min(timed) == linear_race.RACE_ROWS[0]  # nothing timed at the prefetch race's 8 rows
+
+
+def test_pack_linears_takes_the_amx_kernel_where_it_packs_the_weight():
+    """On an AMX host: the AMX tiles for weights whose dimensions are multiples of 32, the AVX512-BF16 tiles for
+    the others (both raced to one limit); with use_amx=False, the AVX512-BF16 tiles for all."""
+    from pagedllm.models.layers.packed_linear import pack_linears
+
+    amx, tiles = _kernel("amx_linear"), _kernel("bf16_tiles")
+    for use_amx in (True, False):
+        model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 48)).to(torch.bfloat16)
+        assert pack_linears(model, use_amx=use_amx) == 2
+        assert [model[0].tiles_kernel, model[1].tiles_kernel] == [amx if use_amx else tiles, tiles]
+        assert model[0].max_tile_rows == model[1].max_tile_rows
+        with torch.inference_mode():
+            x = torch.randn(3, 256, dtype=torch.bfloat16)
+            first = model[0]
+            assert torch.equal(first(x), first.tiles_kernel.linear(x, first.weight_tiles, first.bias_f32))

@@ -10,11 +10,11 @@ per runner.
 
 `attach_decoder_loop` gives it to a model where every layer is made of parts it runs: the plain DecoderLayer
 (Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), linears whose CPU kernels it calls as their
-modules do (PackedLinear's bf16 tiles, Int4Linear's AWQ/GPTQ kernel, Fp8Linear's widening kernel with its
+modules do (PackedLinear's bf16 or AMX tiles, Int4Linear's AWQ/GPTQ kernel, Fp8Linear's widening kernel with its
 activations' rounding, Int8Linear's W8A8 one), the fused ops, the CPU attention backend, rope over whole heads
-whose frequencies do not depend on the sequence's length, no LoRA. Anything else (AMX linears, experts, Gemma's
+whose frequencies do not depend on the sequence's length, no LoRA. Anything else (experts, Gemma's
 norms, soft-capping, tensor parallelism, the torch backend) keeps the modules, and so does a step with more rows
-than a linear's kernel takes (the bf16 tiles' raced limit, int4's 64: prefill chunks, where the linears go to
+than a linear's kernel takes (the tiles' raced limit, int4's 64: prefill chunks, where the linears go to
 oneDNN and Python's share of the step is negligible; fp8 and int8 linears have one kernel for every size, so
 their models' prompt steps run through the loop too).
 """
@@ -32,6 +32,7 @@ from pagedllm.models.layers.int8_linear import Int8Linear
 from pagedllm.models.layers.norm import RMSNorm
 from pagedllm.models.layers.packed_linear import PackedLinear
 from pagedllm.models.llama import MLP, Attention, DecoderLayer, DecoderModel
+from pagedllm_kernels.cpu import amx_linear
 from pagedllm_kernels.cpu.build import kernel_module
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ def _max_rows(linear) -> int:
 def _loop_linear(ops, linear):
     """`linear` as the loop's linear: the kernel its module's forward calls on a bf16 CPU input."""
     if type(linear) is PackedLinear:
-        return ops.linear(linear.weight_tiles, linear.bias_f32)
+        make = ops.amx_linear if linear.tiles_kernel is amx_linear else ops.linear
+        return make(linear.weight_tiles, linear.bias_f32)
     if type(linear) is Int4Linear:
         return ops.int4_linear(linear.packed, linear.scales, linear.mins, linear.group_size, linear.perm, linear.bias)
     if type(linear) is Fp8Linear:
@@ -95,7 +97,7 @@ def _loop_linear(ops, linear):
 def _why_not_loop_linear(linear) -> str | None:
     """Why the loop cannot call `linear`'s kernel as its module would, or None."""
     if type(linear) is PackedLinear:
-        return None if linear.tiles_kernel is not None else "bf16 linears without our tiles (AMX, fp32)"
+        return None if linear.tiles_kernel is not None else "bf16 linears without our tiles (oneDNN alone, fp32)"
     if type(linear) is Int4Linear:
         return None if kernel_module("int4_linear") is not None else "int4 linears without our CPU kernel"
     if type(linear) is Fp8Linear:

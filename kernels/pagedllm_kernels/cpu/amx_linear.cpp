@@ -88,66 +88,16 @@ void row_pair_times_panel_pair(const at::BFloat16* x, const at::BFloat16* panel,
   }
 }
 
-// r[i] <- column i of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15].
-inline void transpose16(__m512* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512 v_even = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), v_odd = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
-    const __m512 w_even = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-    const __m512 w_odd = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
-    r[j] = _mm512_shuffle_f32x4(v_even, w_even, 0x88);
-    r[8 + j] = _mm512_shuffle_f32x4(v_even, w_even, 0xDD);
-    r[4 + j] = _mm512_shuffle_f32x4(v_odd, w_odd, 0x88);
-    r[12 + j] = _mm512_shuffle_f32x4(v_odd, w_odd, 0xDD);
-  }
-}
-
 }  // namespace
 
-// The inverse of amx_linear.pack_weight: packed [N/32, K/32, 2, 16, 16, 2] -> out [N, K] (plain, for oneDNN at
-// batch sizes where it is faster). Each B tile is a 16 x 16 matrix of (k, k+1) pairs: transposed, its rows
-// are 64-byte runs of the weight's rows.
-void amx_unpack_weight(torch::Tensor packed, torch::Tensor out) {
-  TORCH_CHECK(packed.dim() == 6 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
-                  out.size(0) == packed.size(0) * 32 && out.size(1) == packed.size(1) * 32,
-              "packed must come from pack_weight and out be a contiguous bf16 [N, K]");
-  const int64_t pairs = packed.size(0), steps = packed.size(1), K = steps * 32;
-  const float* src = reinterpret_cast<const float*>(packed.data_ptr<at::BFloat16>());  // 32-bit units
-  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t pp = 0; pp < pairs; ++pp)
-    for (int64_t s = 0; s < steps; ++s)
-      for (int half = 0; half < 2; ++half) {
-        const float* tile = src + ((pp * steps + s) * 2 + half) * 256;
-        __m512 r[16];
-        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(tile + 16 * i);
-        transpose16(r);
-        for (int c = 0; c < 16; ++c)
-          _mm512_storeu_ps(reinterpret_cast<float*>(dst + (pp * 32 + half * 16 + c) * K + s * 32), r[c]);
-      }
-}
-
-// x [M, K] bf16; packed [N/32, K/32, 2, 16, 16, 2] bf16 (amx_linear.pack_weight); bias [N] fp32 or none.
+// x [M, K] bf16; packed [N/32, K/32, 2, 16, 16, 2] bf16 (amx_linear.pack); bias [N] fp32 or none.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(amx_permitted(), "the kernel refused AMX to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "x must be [rows, in_features] bf16 and the packed weight bf16");
   TORCH_CHECK(packed.dim() == 6 && packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&
                   packed.size(4) == 16 && packed.size(5) == 2,
-              "the weight must be packed by amx_linear.pack_weight");
+              "the weight must be packed by amx_linear.pack");
   const int64_t M = x.size(0), K = packed.size(1) * 32, N = packed.size(0) * 32;
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous()),

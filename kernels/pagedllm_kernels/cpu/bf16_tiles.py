@@ -20,9 +20,10 @@ import torch
 from pagedllm_kernels.cpu.build import cpu_supported, extension
 from pagedllm_kernels.fp8_layout import TILE, arrange, unarrange
 
-__all__ = ["MAX_ROWS", "can_pack", "cpu_supported", "linear", "pack", "reference"]
+__all__ = ["MAX_ROWS", "PREFETCH_SWITCH", "can_pack", "cpu_supported", "linear", "pack", "reference"]
 
 MAX_ROWS = 512  # above this, oneDNN's packed matmul is as fast or faster (measured, Zen 4); the race's ceiling
+PREFETCH_SWITCH = True  # `linear`'s software prefetch, which the load-time race turns on or off per host
 
 
 def can_pack(weight: torch.Tensor) -> bool:

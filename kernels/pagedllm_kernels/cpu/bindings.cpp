@@ -12,8 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotary embedding in place (rotate-half layout)");
-  m.def("amx_linear", &amx_linear, kFree, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack_weight");
-  m.def("amx_unpack_weight", &amx_unpack_weight, "the plain [N, K] weight back from amx_linear's packing");
+  m.def("amx_linear", &amx_linear, kFree, "bf16 x @ W^T + b with AMX tiles, W packed by amx_linear.pack");
   m.def("int4_linear", &int4_linear, kFree, "bf16 x @ W^T + b, W int4 (int4_layout.py) dequantized in the matmul");
   m.def("int4_dequantize", &int4_dequantize, "the bf16 [N, K] weight of an int4_layout.py weight");
   m.def("fp8_linear", &fp8_linear, kFree, "bf16 x @ W^T * s + b, W e4m3 (fp8_linear.py) widened in the matmul");
@@ -25,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
   pybind11::class_<DecoderLoop::Linear>(m, "LoopLinear")
       .def_static("bf16_tiles", &DecoderLoop::bf16_tiles, pybind11::arg("tiles"), pybind11::arg("bias"))
+      .def_static("amx", &DecoderLoop::amx, pybind11::arg("packed"), pybind11::arg("bias"))
       .def_static("int4", &DecoderLoop::int4, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("mins"),
                   pybind11::arg("group_size"), pybind11::arg("perm"), pybind11::arg("bias"))
       .def_static("fp8", &DecoderLoop::fp8, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("bias"),

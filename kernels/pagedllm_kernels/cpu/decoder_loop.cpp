@@ -2,7 +2,7 @@
 // arguments as the Python modules (models/llama.py with the fused ops, the linears' CPU kernels and the CPU
 // attention backend) call them one by one, so the result is bit-identical; what goes is the Python between the
 // kernels and each call's crossing into the extension (~70 us a layer on the 2-core hosts). Built once per engine
-// (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights (bf16 tiles or a
+// (backend/pagedllm/models/decoder_loop.py decides where it applies), it holds the weights (bf16 or AMX tiles or a
 // quantized format's, each linear through the kernel its module calls) and the KV caches;
 // each call gets the step's embeddings, rope tables and attention metadata.
 #include "decoder_loop.h"
@@ -11,6 +11,10 @@
 
 DecoderLoop::Linear DecoderLoop::bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias) {
   return {[tiles, bias](const torch::Tensor& x, bool prefetch) { return bf16_linear(x, tiles, bias, prefetch); }};
+}
+
+DecoderLoop::Linear DecoderLoop::amx(torch::Tensor packed, std::optional<torch::Tensor> bias) {
+  return {[packed, bias](const torch::Tensor& x, bool) { return amx_linear(x, packed, bias); }};
 }
 
 DecoderLoop::Linear DecoderLoop::int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,

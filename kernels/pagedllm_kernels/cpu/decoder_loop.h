@@ -16,6 +16,8 @@ class DecoderLoop {
   };
   // PackedLinear: the weight in bf16_tiles.py's tiles; bias float32 (all four: or none).
   static Linear bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias);
+  // PackedLinear on AMX hosts: the weight in amx_linear.py's tiles; bias float32 or none.
+  static Linear amx(torch::Tensor packed, std::optional<torch::Tensor> bias);
   // Int4Linear (AWQ, GPTQ): int4_layout.py's weight; `perm`: GPTQ desc_act's input order, or none.
   static Linear int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size,
                      std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias);

@@ -1,5 +1,5 @@
 """The decoder layers' loop in C++ (decoder_loop.cpp): one call runs a step through every Llama-family layer with
-the kernels beside it (the linears' bf16 tiles or int4 / fp8 / int8 kernels, fused norms and rotary, the KV store,
+the kernels beside it (the linears' bf16 or AMX tiles or int4 / fp8 / int8 kernels, fused norms and rotary, the KV store,
 paged attention), bit-identical to calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from pagedllm_kernels.cpu.build import extension
 def linear(tiles: torch.Tensor, bias: torch.Tensor | None):
     """A layer's linear: its weight in bf16_tiles.py's tiles, its float32 bias or None."""
     return extension().LoopLinear.bf16_tiles(tiles, bias)
+
+
+def amx_linear(packed: torch.Tensor, bias: torch.Tensor | None):
+    """A layer's linear on an AMX host: its weight in amx_linear.py's tiles, its float32 bias or None."""
+    return extension().LoopLinear.amx(packed, bias)
 
 
 def int4_linear(packed, scales, mins, group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None):

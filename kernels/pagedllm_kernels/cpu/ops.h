@@ -41,4 +41,3 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           std::optional<torch::Tensor> bias);
 // amx_linear.cpp
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);
-void amx_unpack_weight(torch::Tensor packed, torch::Tensor out);

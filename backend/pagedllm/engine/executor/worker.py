@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.distributed.comm import TensorParallelGroup
 from pagedllm.distributed.tensor_parallel import shard_model
+from pagedllm.engine.cpu_allocator import keep_freed_memory
 from pagedllm.engine.decode_graphs import DecodeGraphs
 from pagedllm.engine.kv_calibration import calibrate_kv_scales
 from pagedllm.engine.model_runner import ModelRunner
@@ -46,6 +47,7 @@ class WorkerSpec:
     kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
     quantization: str | None = None  # "int8": W8A8 made at load (EngineConfig.quantization)
     cpu_decoder_loop: bool = True  # the layers in one C++ call where they can be (EngineConfig.cpu_decoder_loop)
+    cpu_malloc_tuning: bool = True  # malloc keeps what steps free (EngineConfig.cpu_malloc_tuning)
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -101,6 +103,8 @@ class Worker:
         """The runner over a fresh cache; with `calibration_ids` (calculate_kv_scales), the fp8 cache's scales
         computed from one prefill of them first (every rank runs it: the step's collectives need them all, and
         each rank scales its own KV heads)."""
+        if self.device == "cpu" and self.spec.cpu_malloc_tuning:  # after the load: its temporaries go back first
+            keep_freed_memory()
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
         if calibration_ids:  # before the C++ loop, which takes the scales as they are when it is attached

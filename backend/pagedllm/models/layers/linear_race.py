@@ -41,19 +41,9 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
     layers = layers or [m for _, m in named]
     limit, record = ALWAYS_OURS, []
     with torch.inference_mode():
-        # at a decode's 8 rows and at 16, where the prefetch differs more (Zen 5: 1.1x and 1.35x)
-        batches = [_inputs(layers, rows) for rows in PREFETCH_RACE_ROWS]
-        timed = {}
-        for prefetch in (True, False, True, False):  # alternated: a drifting host favours neither
-            for m in layers:
-                m.prefetch = prefetch
-            timed.setdefault(prefetch, []).append(sum(_time(layers, xs, tile=True, repeats=repeats)
-                                                      for xs in batches))
-        prefetch = min(timed[True]) <= min(timed[False])
-        for m in layers:
-            m.prefetch = prefetch
-        record.append({"rows": PREFETCH_RACE_ROWS, "prefetch_ms": round(1e3 * min(timed[True]), 3),
-                       "no_prefetch_ms": round(1e3 * min(timed[False]), 3)})
+        prefetch = True
+        if any(m.tiles_kernel.PREFETCH_SWITCH for m in layers):  # (the AMX kernel has no such switch)
+            prefetch = _race_prefetch(layers, repeats, record)
         for rows in (r for r in RACE_ROWS if r <= layers[0].max_tile_rows):
             xs = _inputs(layers, rows)
             ours, theirs = _time(layers, xs, tile=True, repeats=repeats), _time(layers, xs, tile=False,
@@ -70,6 +60,23 @@ def race_tile_rows(named: list[tuple[str, object]], repeats: int = 2) -> tuple[i
             if ours > MAX_CALL_S:
                 break
     return limit, prefetch, record
+
+
+def _race_prefetch(layers: list, repeats: int, record: list) -> bool:
+    """Whether our kernel's software prefetch should be on: timed at a decode's 8 rows and at 16, where it differs
+    more (Zen 5: 1.1x and 1.35x), on and off alternated so that a drifting host favours neither."""
+    batches = [_inputs(layers, rows) for rows in PREFETCH_RACE_ROWS]
+    timed = {}
+    for prefetch in (True, False, True, False):
+        for m in layers:
+            m.prefetch = prefetch
+        timed.setdefault(prefetch, []).append(sum(_time(layers, xs, tile=True, repeats=repeats) for xs in batches))
+    prefetch = min(timed[True]) <= min(timed[False])
+    for m in layers:
+        m.prefetch = prefetch
+    record.append({"rows": PREFETCH_RACE_ROWS, "prefetch_ms": round(1e3 * min(timed[True]), 3),
+                   "no_prefetch_ms": round(1e3 * min(timed[False]), 3)})
+    return prefetch
 
 
 def _inputs(layers: list, rows: int) -> dict[int, torch.Tensor]:

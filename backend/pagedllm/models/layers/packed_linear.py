@@ -1,13 +1,14 @@
 """bf16 linear layers on CPU, swapped in after the weights load.
 
-- `AmxLinear` (CPUs with AMX): our AMX kernel on the weight packed into its tile order. Up to 128 rows
-  (decodes) it streams the weight at 17-21 GB/s where oneDNN's packed path reached 14-15 (a 125M decode
-  step 15% shorter); larger batches go to oneDNN on the weight unpacked into a reused buffer.
-- `PackedLinear` elsewhere: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for
-  M <= 64, equal for large batches); for decodes (and up to 512 rows where a race at load says it wins: on Zen 4
-  it did, on Zen 5 oneDNN leads from 16 rows, linear_race.py) our AVX512-BF16 kernel runs on a second copy of the
-  weight in its own tiles (bf16_tiles.py), 1.07-1.9x as fast as oneDNN at up to 8 rows. The copy doubles the
-  linears' weight bytes (125M: +200 MB): the price of decode streaming the weight at the host's bandwidth.
+- `PackedLinear`: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for M <= 64, equal
+  for large batches); for decodes (and up to 512 rows where a race at load says it wins: on Zen 4 it did, on Zen 5
+  oneDNN leads from 16 rows, linear_race.py) our kernel runs on a second copy of the weight in its own tiles:
+  AVX512-BF16 (bf16_tiles.py, 1.07-1.9x as fast as oneDNN at up to 8 rows) or, on CPUs with AMX, AMX tiles
+  (amx_linear.py: the 0.5B shape's linears 1.04-1.14x oneDNN at 1-128 rows; oneDNN 1.17x ours at 256). The copy
+  doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the weight at the host's
+  bandwidth. (Until session 27 an AMX host kept one copy, in AMX tiles, and unpacked it for oneDNN above 128 rows
+  on every call: a 256-row decode's linears took 1.65x as long as on oneDNN's packed weight, and the 0.5B model
+  ran 256 sequences at 0.65x vLLM.)
 
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
 0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
@@ -24,8 +25,8 @@ with these 63 (both far below the caches' 1,024 entries, where growth would stop
 Where oneDNN has no bf16 matmul (AVX2 CPUs without AVX-512, whose reorder raises), `pack_linears` hands the
 layers to avx2_linear.py instead.
 
-`pack_linears(model, use_amx=False)` keeps oneDNN packing on AMX hosts too (`EngineConfig.amx_linear`, for A/B
-runs). Only bf16 is swapped: fp32 is
+`pack_linears(model, use_amx=False)` uses the AVX512-BF16 tiles on AMX hosts too (`EngineConfig.amx_linear`, for
+A/B runs). Only bf16 is swapped: fp32 is
 the path held token-identical to transformers, and oneDNN's packed fp32 path rounds differently from `F.linear`.
 """
 
@@ -71,38 +72,6 @@ def packing_available() -> bool:
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported())
 
 
-def _amx_kernel():
-    """The AMX linear module when this host can run it (and it builds), else None."""
-    try:
-        from pagedllm_kernels.cpu import amx_linear, build
-
-        if not build.amx_supported()[0]:
-            return None
-        build.extension()
-        return amx_linear
-    except Exception as e:  # no compiler, build failure: oneDNN packing still applies
-        logger.info("AMX linear layers unavailable (%s); using oneDNN packing", e)
-        return None
-
-
-class AmxLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernel, buffer) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel = kernel
-        self.buffer = buffer  # shared by the model's AMX layers: where a weight is unpacked for large batches
-        self.register_buffer("packed_weight", kernel.pack_weight(linear.weight.detach()))
-        # fp32, added before rounding (as oneDNN does)
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.kernel.MAX_ROWS:  # our kernel: no per-shape state
-            return self.kernel.linear(x, self.packed_weight, self.bias, self.buffer)
-        y = self.kernel.linear(padded_rows(rows), self.packed_weight, self.bias, self.buffer)  # oneDNN above
-        return y[:rows.shape[0]].view(*x.shape[:-1], self.out_features)
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [out, in] weight packed by oneDNN for packed_matmul."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
@@ -114,29 +83,31 @@ def packed_matmul(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return y[:rows.shape[0]]
 
 
-def _tiles_kernel():
-    """Our bf16 kernel for decode-sized batches when this host can run it (and it builds), else None."""
+def _tiles_kernels(use_amx: bool) -> list:
+    """Our bf16 kernels for decode-sized batches that this host can run (and that build), in order of preference:
+    the AMX one where the host has AMX and `use_amx` (for the weights whose shape it takes), the AVX512-BF16 one."""
     try:
         from pagedllm_kernels.cpu import build
 
         kernel = build.kernel_module("bf16_tiles")
-        if kernel is not None:
-            build.extension()
-        return kernel
+        if kernel is None:
+            return []
+        build.extension()
+        return [build.kernel_module("amx_linear"), kernel] if use_amx and build.amx_supported()[0] else [kernel]
     except Exception as e:  # no compiler, build failure: oneDNN alone
         logger.info("bf16 linear kernel unavailable (%s); oneDNN takes every batch", e)
-        return None
+        return []
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, tiles_kernel=None) -> None:
+    def __init__(self, linear: nn.Linear, tiles_kernels=()) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", pack_weight(linear.weight))
         self.bias = linear.bias
         # Up to max_tile_rows rows (decodes, and as many more as the race at load gave it), our kernel on a second
-        # copy of the weight in its tiles (bf16_tiles.py).
-        self.tiles_kernel = tiles_kernel if tiles_kernel is not None and tiles_kernel.can_pack(linear.weight) else None
+        # copy of the weight in its tiles: the first of `tiles_kernels` (bf16_tiles.py, amx_linear.py) that takes it.
+        self.tiles_kernel = next((k for k in tiles_kernels if k.can_pack(linear.weight)), None)
         self.max_tile_rows = 0  # the most rows our kernel takes (pack_linears races it; the kernel's MAX_ROWS else)
         self.prefetch = True  # our kernel's software prefetch from 5 rows (pack_linears races it on and off)
         if self.tiles_kernel is not None:
@@ -156,25 +127,22 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, use_amx: bool = True) -> int:
-    """Replace every bf16 CPU nn.Linear in `model` by an AmxLinear (where `use_amx` and the host has AMX) or a
-    PackedLinear, or where oneDNN has no bf16 matmul (AVX2 CPUs) by an Avx2Linear: a transform over the model,
+    """Replace every bf16 CPU nn.Linear in `model` by a PackedLinear (with the AMX kernel where `use_amx` and the
+    host has AMX), or where oneDNN has no bf16 matmul (AVX2 CPUs) by an Avx2Linear: a transform over the model,
     after its weights are loaded. Returns how many were replaced."""
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     if not packing_available():
         return use_avx2_linears(model, targets)
-    amx = _amx_kernel() if targets and use_amx else None
-    buffer = amx.WeightBuffer() if amx is not None else None
-    tiles = _tiles_kernel() if targets and amx is None else None
+    kernels = _tiles_kernels(use_amx) if targets else []
     for name, linear in targets:
-        fast = (AmxLinear(linear, amx, buffer) if amx is not None and amx.can_pack(linear.weight)
-                else PackedLinear(linear, tiles))
-        model.set_submodule(name, fast)
+        model.set_submodule(name, PackedLinear(linear, kernels))
     tiled = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear) and m.tiles_kernel]
     if tiled:
         limit, prefetch, record = race_tile_rows(tiled)
         for _, m in tiled:
             m.max_tile_rows, m.prefetch = limit, prefetch
-        logger.info("bf16 linears: our kernel up to %d rows (software prefetch %s), oneDNN above (raced at load: %s)",
-                    limit, "on" if prefetch else "off", record)
+        names = sorted({m.tiles_kernel.__name__.rsplit(".", 1)[-1] for _, m in tiled})
+        logger.info("bf16 linears: our kernel (%s) up to %d rows (software prefetch %s), oneDNN above (raced at load: "
+                    "%s)", ", ".join(names), limit, "on" if prefetch else "off", record)
     return len(targets)
