@@ -9,10 +9,11 @@ switched off (1.41x; perf/README.md). vLLM's CPU documentation gets the same eff
 a library cannot do for its caller's process; mallopt can, once the process runs.
 
 The cost: memory freed after a peak stays with the process (as with tcmalloc), reused by later allocations; until
-the heap's free chunks fit what a step asks (aligned allocations of one size can need several rounds) it grows
-by a few of the largest activations and then stays (a 125M engine through six generate calls of 8-256 prompts of
-up to 1,800 tokens: RSS 3,044-3,049 MiB against 3,013-3,017 without, session 27). A process whose C library has no mallopt (musl, another OS) is left as it is. `cpu_malloc_tuning=False` (engine
-config) or PAGEDLLM_CPU_MALLOC_TUNING=0 turns it off for A/B runs; it applies to the whole process, once.
+the heap's free chunks fit what a step asks (aligned allocations of one size can need several rounds) it grows by a
+few of the largest activations and then stays (a 125M engine through six generate calls of 8-256 prompts of up to
+1,800 tokens: RSS 3,044-3,049 MiB against 3,013-3,017 without, session 27). A process whose C library has no
+mallopt (musl, another OS) is left as it is. `cpu_malloc_tuning=False` (engine config) or
+PAGEDLLM_CPU_MALLOC_TUNING=0 turns it off for A/B runs; it applies to the whole process, once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Room for one dequantized or unpacked bf16 weight, for the layers that hand oneDNN a plain weight on large
-batches (amx_linear's unpacking, the int4 layers' dequantization)."""
+"""Room for one dequantized bf16 weight, for the quantized layers that hand oneDNN a plain weight on large
+batches (the int4 and fp8 layers' dequantization)."""
 
 from __future__ import annotations
 
