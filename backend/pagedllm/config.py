@@ -282,6 +282,8 @@ class EngineConfig:
     # CPU kernel switches (bf16 on CPU only; for A/B measurements), reported in EngineStats.kernels.
     fused_cpu_ops: bool = field(default_factory=lambda: _env_default("PAGEDLLM_FUSED_CPU_OPS"))
     amx_linear: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_LINEAR"))
+    # Prompts' attention on the AMX tile unit, where the CPU has one (the cpu backend; attention_amx.h)
+    amx_attention: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_ATTENTION"))
     # Steps of few rows through the decoder's layers in one C++ call (models/decoder_loop.py)
     cpu_decoder_loop: bool = field(default_factory=lambda: _env_default("PAGEDLLM_CPU_DECODER_LOOP"))
     # glibc malloc keeps freed memory (no mmap per large activation; engine/cpu_allocator.py), process-wide
@@ -318,7 +320,7 @@ class EngineConfig:
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
                  f"only 1 is supported (got {self.pipeline_parallel_size!r}); split the model with "
                  "tensor_parallel_size instead")
-        for name in ("fused_cpu_ops", "amx_linear", "cpu_decoder_loop", "cpu_malloc_tuning"):
+        for name in ("fused_cpu_ops", "amx_linear", "amx_attention", "cpu_decoder_loop", "cpu_malloc_tuning"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -1,7 +1,8 @@
 """The AVX-512 paged attention kernel on rows of several query tokens (whole prompts, chunks after cached
 positions) mixed with decode rows, against the token-by-token torch reference: lengths on and around block and
-tile boundaries, GQA ratios (tiles of 3 to 48 tokens), block sizes, fp32, bf16 and an fp8 cache, sliding
-windows, positions nobody owns poisoned."""
+tile boundaries, GQA ratios (tiles of 3 to 64 tokens), block sizes, fp32, bf16 and an fp8 cache, sliding
+windows, positions nobody owns poisoned. bf16 prompts run both ways where the CPU has AMX: on AVX-512 and on
+the tile unit (attention_amx.h)."""
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ from pagedllm_kernels.cpu import paged_attention as kernel
 
 supported, why = kernel.cpu_supported()
 pytestmark = pytest.mark.skipif(not supported, reason=why)
+amx_ok, amx_why = kernel.amx_supported()
+ON_AMX = pytest.mark.skipif(not amx_ok, reason=amx_why)
+# Prompt tiles on AVX-512, or on the AMX tile unit (bf16 queries only).
+PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="amx", marks=ON_AMX)]
+DTYPE_PATHS = [pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16"),
+               pytest.param(torch.bfloat16, True, id="bf16-amx", marks=ON_AMX)]
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=0), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
 # (context length, query tokens) per row: decodes, whole prompts (n == len) and chunks after cached positions;
@@ -37,66 +44,90 @@ def make(heads, kv_heads, head_dim, block_size, dtype, rows=ROWS, seed=0, cache_
     return q, kc, vc, tables, torch.tensor([n for n, _ in rows]), starts
 
 
-def attend(q, kc, vc, tables, lens, starts, scale, window=None, k_scale=1.0, v_scale=1.0):
+def attend(q, kc, vc, tables, lens, starts, scale, window=None, k_scale=1.0, v_scale=1.0, amx=False):
     return kernel.paged_attention(q, *kv_layout.to_kernel_layout(kc, vc), tables, lens, scale, window, k_scale,
-                                  v_scale, query_start_loc=starts)
+                                  v_scale, query_start_loc=starts, amx=amx)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (12, 4, 64), (14, 2, 64), (8, 1, 128),
                                                      (6, 2, 96), (16, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64])
-def test_prompts_chunks_and_decodes_match_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+def test_prompts_chunks_and_decodes_match_the_reference(dtype, amx, heads, kv_heads, head_dim, block_size):
+    """(Block size 48 stays on AVX-512 with amx: the tiles take spans of whole 16-, 32- or 64-position blocks.)"""
     q, kc, vc, tables, lens, starts = make(heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
-    got = attend(q, kc, vc, tables, lens, starts, scale)
+    got = attend(q, kc, vc, tables, lens, starts, scale, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, scale, query_start_loc=starts)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_same_queries_one_token_per_row_give_the_same_outputs(dtype):
+@pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
+def test_the_same_queries_one_token_per_row_give_the_same_outputs(dtype, amx):
     """Tiles (one pass over a block for many tokens) and one row per token compute the same attention."""
     q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, dtype)
     tok_tables, tok_lens = kernel.per_token_rows(tables, lens, starts)
-    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125).float(),
+    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125, amx=amx).float(),
                                attend(q, kc, vc, tok_tables, tok_lens, None, 0.125).float(), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
-def test_sliding_window(window, dtype):
+def test_sliding_window(window, dtype, amx):
     """Each token of a tile has its own window start; odd windows start mid token-pair in bf16."""
     q, kc, vc, tables, lens, starts = make(8, 2, 64, 16, dtype)
-    got = attend(q, kc, vc, tables, lens, starts, 0.125, window)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, query_start_loc=starts)
     torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("amx", PATHS)
+@pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("window", [None, 40])
-def test_an_fp8_cache_with_scales(window):
-    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
-    got = attend(q, kc, vc, tables, lens, starts, 0.125, window, 0.5, 2.0)
+def test_an_fp8_cache_with_scales(window, block_size, amx):
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, block_size, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, window, 0.5, 2.0, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, 0.5, 2.0, query_start_loc=starts)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=8e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_only_each_rows_context_is_read(dtype):
-    """NaN in every block no row owns and past each row's length in its last block changes no output."""
-    q, kc, vc, tables, lens, starts = make(4, 2, 64, 16, dtype)
-    before = attend(q, kc, vc, tables, lens, starts, 0.125)
-    poison_outside_rows(kc, vc, tables, lens, 16)
-    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125), before)
+@pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("window", [None, 7])
+def test_only_each_rows_context_is_read(dtype, amx, block_size, window):
+    """NaN in every block no row owns and past each row's length in its last block (which the tiles read as a
+    whole) changes no output."""
+    q, kc, vc, tables, lens, starts = make(4, 2, 64, block_size, dtype)
+    before = attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx)
+    poison_outside_rows(kc, vc, tables, lens, block_size)
+    torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx), before)
 
 
-def test_one_long_prompt_is_shared_out_in_tiles():
+@pytest.mark.parametrize("amx", PATHS)
+def test_one_long_prompt_is_shared_out_in_tiles(amx):
     """A single 1,000-token prompt (many tiles, few rows) against the reference."""
     q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, rows=[(1000, 1000)])
-    got = attend(q, kc, vc, tables, lens, starts, 0.125)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, 0.125, query_start_loc=starts)
     torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[torch.bfloat16])
+
+
+@ON_AMX
+def test_amx_takes_the_prompts_and_leaves_the_decodes():
+    """The tile unit sums in another order than AVX-512: a prompt's outputs differ in some last bits, a decode
+    row's (which stays on AVX-512) are identical."""
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, rows=[(40, 1), (300, 300), (64, 1)])
+    avx, amx = (attend(q, kc, vc, tables, lens, starts, 0.125, amx=a) for a in (False, True))
+    assert torch.equal(avx[0], amx[0]) and torch.equal(avx[-1], amx[-1])
+    assert not torch.equal(avx[1:-1], amx[1:-1])
+
+
+@pytest.mark.skipif(amx_ok, reason="this CPU has AMX")
+def test_amx_is_refused_where_the_cpu_has_none():
+    q, kc, vc, tables, lens, starts = make(4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="has none"):
+        attend(q, kc, vc, tables, lens, starts, 0.125, amx=True)
 
 
 def test_the_kernel_refuses_inconsistent_rows():

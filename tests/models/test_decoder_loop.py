@@ -126,6 +126,16 @@ def test_the_switch_is_reported(llama_dir):
         LLM(llama_dir, **ENGINE, cpu_decoder_loop="yes")
 
 
+@pytest.mark.skipif(not build.amx_supported()[0], reason="needs AMX")
+def test_the_amx_attention_switch_reaches_the_backend_and_the_loop(llama_dir, loop_calls):
+    """Off, the prompts' attention stays on AVX-512 in the loop as in the modules (their tokens and logprobs are
+    equal, where one of them on AMX would part in the last bits); on, the backend takes AMX."""
+    llm = compare(llama_dir, loop_calls, amx_attention=False)
+    assert llm.engine.backend.amx is False and llm.get_stats().kernels["amx_attention"] is False
+    assert max(loop_calls) > 1  # a prompt's step went through the loop
+    assert LLM(llama_dir, **ENGINE).engine.backend.amx is True
+
+
 def test_unsupported_names_a_reason_for_a_model_outside_the_family():
     assert "decoder" in decoder_loop.unsupported(torch.nn.Linear(2, 2), None)
 

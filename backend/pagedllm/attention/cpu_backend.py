@@ -6,7 +6,8 @@ prompts, chunks after cached positions): this step's K/V are stored first, then 
 causally to its context, a prompt's tokens a tile at a time over each block while it is in cache. Measured
 faster than torch's fused causal SDPA on whole prompts (perf/attention_share.py). An fp8 cache (with a bf16
 model) is read by the same kernel, its bytes widened to bf16 pairs as they load, so fresh prompts too attend
-to the values the cache holds.
+to the values the cache holds. On CPUs with AMX, prompts' tiles run on the tile unit (attention_amx.h: 3.3-3.6x
+the AVX-512 path's speed on 512- and 1,500-token prompts, perf/README.md, session 28); decodes stay on AVX-512.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 class CpuAttention:
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, amx: bool | None = None) -> None:
+        """`amx`: prompts on the AMX tile unit (None: where the CPU has one; EngineConfig.amx_attention=False
+        turns it off for the engine's runner)."""
         from pagedllm_kernels.cpu import kv_layout
         from pagedllm_kernels.cpu import paged_attention as kernel
 
@@ -28,6 +31,7 @@ class CpuAttention:
         if not ok:
             raise RuntimeError(why)
         self._kernel, self._layout = kernel, kv_layout
+        self.amx = kernel.amx_supported()[0] if amx is None else amx
 
     def warm_up(self, device: str) -> None:
         """Compile (or load the cached build of) the kernel; only for CPU engines, so GPU hosts skip it."""
@@ -47,7 +51,7 @@ class CpuAttention:
         self.store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         return self._kernel.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale,
                                             sliding_window, kv_scales.k, kv_scales.v,
-                                            query_start_loc=self.query_starts(meta))
+                                            query_start_loc=self.query_starts(meta), amx=self.amx)
 
     @staticmethod
     def query_starts(meta: AttentionMetadata) -> torch.Tensor:

@@ -439,7 +439,7 @@ class LLMEngine:
             attention_selection={"chosen": selection.chosen, "reason": selection.reason,
                                  "results": selection.results},
             kernels={"fused_cpu_ops": self.config.fused_cpu_ops, "amx_linear": self.config.amx_linear,
-                     "cpu_decoder_loop": self.config.cpu_decoder_loop,
+                     "amx_attention": self.config.amx_attention, "cpu_decoder_loop": self.config.cpu_decoder_loop,
                      "cpu_malloc_tuning": self.config.cpu_malloc_tuning},
             decode_graphs=dict(self.decode_graphs), moe_expert_tokens=self._expert_tokens(),
             lora_max=self.lora_slots.max_loras if self.lora_slots else 0,

@@ -51,7 +51,7 @@ class DecoderLoop:
         self._loop = ops.loop(
             [_layer(ops, layer, cache) for layer, cache in zip(decoder.layers, kv_caches)], decoder.norm.weight,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, decoder.norm.eps, attn.scale,
-            tiles[0].prefetch if tiles else False)
+            tiles[0].prefetch if tiles else False, backend.amx)
 
     def takes(self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step runs through the loop: few enough rows for its linears' kernels, on the caches and

@@ -5,9 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -22,22 +21,8 @@ constexpr int64_t kRowBlock = 256;  // rows per pass over the weight
 constexpr int64_t kPrefetchSteps = 16;
 
 // Tiles: C00, C01, C10, C11 (fp32 accumulators of rows 0-15 / 16-31 by panel 0 / 1), A0, A1, B0, B1.
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {
-  // Linux grants a process the AMX tile state on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 void configure_tiles() {
-  TileConfig cfg;
+  pagedllm::TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;  // 16 fp32, or 16 pairs of bf16
     cfg.rows[t] = 16;
@@ -92,7 +77,7 @@ void row_pair_times_panel_pair(const at::BFloat16* x, const at::BFloat16* panel,
 
 // x [M, K] bf16; packed [N/32, K/32, 2, 16, 16, 2] bf16 (amx_linear.pack); bias [N] fp32 or none.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(amx_permitted(), "the kernel refused AMX to this process");
+  TORCH_CHECK(pagedllm::amx_permitted(), "the kernel refused AMX to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "x must be [rows, in_features] bf16 and the packed weight bf16");
   TORCH_CHECK(packed.dim() == 6 && packed.is_contiguous() && packed.size(2) == 2 && packed.size(3) == 16 &&

@@ -6,7 +6,7 @@
 // (taking in requests, sending responses) are not held up to Python's 5 ms switch interval behind them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kFree = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("paged_attention", &paged_attention, kFree, "paged attention over each row's context, its last tokens causal (AVX-512, fp32 math)");
+  m.def("paged_attention", &paged_attention, kFree, "paged attention over each row's context, its last tokens causal (AVX-512 or AMX, fp32 sums)");
   m.def("store_kv", &store_kv, "write K/V into their cache slots in the kernels' block layout");
   m.def("rms_norm", &rms_norm, "RMSNorm, fp32 statistics");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x, then x = RMSNorm(residual), in place");
@@ -46,10 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("v_scale"));
   pybind11::class_<DecoderLoop>(m, "DecoderLoop")
       .def(pybind11::init<std::vector<DecoderLoop::Layer>, torch::Tensor, int64_t, int64_t, int64_t, double, double,
-                          bool>(),
+                          bool, bool>(),
            pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
-           pybind11::arg("prefetch"))
+           pybind11::arg("prefetch"), pybind11::arg("amx_attention"))
       .def("forward", &DecoderLoop::forward, kFree, "a step through every layer and the final norm (decoder_loop.cpp)")
       .def_property_readonly("attention_seconds", &DecoderLoop::attention_seconds,
                              "seconds spent in forward's KV stores and attention kernels so far");

@@ -38,9 +38,9 @@ DecoderLoop::Linear DecoderLoop::int8(torch::Tensor packed, torch::Tensor scales
 }
 
 DecoderLoop::DecoderLoop(std::vector<Layer> layers, torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, double eps, double scale, bool prefetch)
+                         int64_t head_dim, double eps, double scale, bool prefetch, bool amx_attention)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), heads_(num_heads), kv_heads_(num_kv_heads),
-      head_dim_(head_dim), eps_(eps), scale_(scale), prefetch_(prefetch) {
+      head_dim_(head_dim), eps_(eps), scale_(scale), prefetch_(prefetch), amx_attention_(amx_attention) {
   TORCH_CHECK(!layers_.empty(), "a decoder of at least one layer");
   TORCH_CHECK(head_dim_ % 32 == 0, "head_dim must be a multiple of 32 (the fused rotary)");
   for (const Layer& layer : layers_)
@@ -71,7 +71,7 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     const auto attention_start = std::chrono::steady_clock::now();
     store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
     const torch::Tensor o = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start,
-                                            scale_, layer.window, layer.k_scale, layer.v_scale);
+                                            scale_, layer.window, layer.k_scale, layer.v_scale, amx_attention_);
     attention_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                                           attention_start).count();
     h = layer.o.apply(o.view({t, q_size}), prefetch_);

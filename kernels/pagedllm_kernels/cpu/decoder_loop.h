@@ -37,8 +37,9 @@ class DecoderLoop {
     double k_scale, v_scale;                        // an fp8 cache's scales (1.0 otherwise)
   };
 
+  // amx_attention: prompts' attention on the AMX tile unit (paged_attention's `amx`).
   DecoderLoop(std::vector<Layer> layers, torch::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, double eps, double scale, bool prefetch);
+              int64_t head_dim, double eps, double scale, bool prefetch, bool amx_attention);
 
   // x: the step's embeddings [tokens, hidden] bf16 (the residual stream starts as x, updated in place); cos, sin:
   // [tokens, head_dim / 2]; the rest as the CPU attention backend gets them (int64). Returns the final norm's
@@ -55,6 +56,6 @@ class DecoderLoop {
   torch::Tensor final_norm_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
-  bool prefetch_;
+  bool prefetch_, amx_attention_;
   std::atomic<int64_t> attention_ns_{0};  // forward runs without the GIL: Python may read it meanwhile
 };

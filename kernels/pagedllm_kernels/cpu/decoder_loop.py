@@ -45,8 +45,8 @@ def layer(input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm, k_cache,
 
 
 def loop(layers: list, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-         scale: float, prefetch: bool):
+         scale: float, prefetch: bool, amx_attention: bool = False):
     """The loop over `layers`; its forward(x, cos, sin, slots, block_tables, seq_lens, query_start) returns the
-    final norm's output."""
+    final norm's output. `amx_attention`: prompts' attention on the AMX tile unit (paged_attention's `amx`)."""
     return extension().DecoderLoop(layers, final_norm, num_heads, num_kv_heads, head_dim, float(eps), float(scale),
-                                   bool(prefetch))
+                                   bool(prefetch), bool(amx_attention))

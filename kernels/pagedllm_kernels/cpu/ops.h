@@ -7,10 +7,11 @@
 #include <optional>
 
 // paged_attention.cpp: each row's last tokens (one for a decode, a prompt or its chunk) over the row's context,
-// causal. An fp8 cache's values are its elements times k_scale / v_scale (1.0 for other caches).
+// causal. An fp8 cache's values are its elements times k_scale / v_scale (1.0 for other caches); amx: prompts on
+// the AMX tile unit where it applies.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                              double k_scale, double v_scale);
+                              double k_scale, double v_scale, bool amx);
 // kv_store.cpp: into an fp8 cache, k / k_scale and v / v_scale, rounded to e4m3 and clamped to +-448.
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
               double k_scale, double v_scale);

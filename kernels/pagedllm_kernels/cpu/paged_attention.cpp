@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "attention_amx.h"
+#include "attention_common.h"
 #include "kv_layout.h"
 #include "ops.h"
 #include "simd.h"
@@ -19,11 +21,15 @@
 namespace {
 
 using pagedllm::kUnit;
+namespace attention = pagedllm::attention;
+using attention::Item;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeads = 128;  // query heads per row
 constexpr int kMaxBlock = 64;   // tokens per block
-constexpr int kTileSlots = 48;  // query vectors per item of a prompt's tile (tokens x query heads of a KV head)
+// Query vectors per item of a prompt's tile (tokens x query heads of a KV head); on the tile unit, its 4 row tiles.
+constexpr int kTileSlots = 48;
+constexpr int kAmxTileSlots = pagedllm::attention_amx::kMaxSlots;
 constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's heads, or a tile (<= kTileSlots, or a group)
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
@@ -119,16 +125,6 @@ inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int
     for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[g] + 16 * c, a[g][c]);
 }
 
-// An fp8 run's n elements (a multiple of 64) as bf16 of the same values, in the same order.
-inline void widen_run(const c10::Float8_e4m3fn* src, at::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64) {
-    __m512 a, b;
-    pagedllm::fp8x64_to_bf16(src + i, a, b);
-    _mm512_store_ps(reinterpret_cast<float*>(dst + i), a);
-    _mm512_store_ps(reinterpret_cast<float*>(dst + i + 32), b);
-  }
-}
-
 // The two passes for a run-time head count ng <= NG (templates need it at compile time).
 template <typename T, typename C, int U, int NG>
 inline void scores16_for(int ng, const T* const* qh, const C* kb, int64_t block_size, int64_t c, __m512* s) {
@@ -144,26 +140,11 @@ inline void weighted_values_for(int ng, const C* vb, T* const* probs, float* con
   weighted_values<T, C, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
 }
 
-// Lanes i of the 16-token chunk at c whose token c + i lies in [a, b).
-inline __mmask16 live_lanes(int64_t c, int64_t a, int64_t b) {
-  const int64_t lo = std::max<int64_t>(a - c, 0), hi = std::min<int64_t>(b - c, 16);
-  if (hi <= lo) return 0;  // (a tile's slot may have no live position in a block: b < a)
-  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
-// One work item: tokens t0..t1-1 of a row (its last tokens: token t sees the row's first
-// len - (n - 1 - t) positions, n the row's token count) and the KV heads k0..k1-1 (contiguous in every block),
-// with every query head reading those KV heads. Its query vectors ("slots") share each block's K/V run while
-// it is in L1: a prompt's tokens are attended a tile at a time, not each over its whole prefix again.
-struct Item {
-  int64_t row, t0, t1, k0, k1;
-};
-
 template <typename T, typename C, int CH>
 void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* seq_lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_stride, float scale,
-                  int64_t window, float k_scale, float v_scale) {
+                  int64_t window, float k_scale, float v_scale, bool amx_tiles) {
   constexpr int64_t D = 16 * CH;
   constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
   constexpr int SB = 8;                 // slots per scores pass
@@ -236,7 +217,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
         auto read_run = [&](const C* r, T* scratch, bool several_passes, auto&& pass) {
           if constexpr (!std::is_same_v<T, C>) {
             if (several_passes) {
-              widen_run(r, scratch, run);
+              attention::widen_run(r, scratch, run);
               return pass(static_cast<const T*>(scratch));
             }
           }
@@ -249,39 +230,15 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
               __m512 sc[SB];
               scores16_for<T, K, U, SB>(ng, qh + s0 + j0, kr, block_size, c, sc);
               for (int g = 0; g < ng; ++g)
-                _mm512_store_ps(scores[j0 + g] + c, _mm512_mul_ps(sc[g], _mm512_set1_ps(score_scale)));
+                _mm512_store_ps(scores[j0 + g] + c, sc[g]);
             }
           }
         };
         read_run(kb, wide_k, per_kv > SB, scores_pass);
-        for (int64_t j = 0; j < per_kv; ++j) {  // online softmax: the block's max, rescale, probabilities
-          const int64_t s = s0 + j;
-          const int64_t aj = std::max(a, first[j] - start), bj = std::min(b, len[j] - start);
-          // Horizontal reductions are the costly part: the block's lane-wise max is reduced only when some
-          // lane exceeds the running max, and the denominator is kept as 16 partial sums until the end.
-          __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (int64_t c = c0; c < b; c += 16)
-            lane_max = _mm512_mask_max_ps(lane_max, live_lanes(c, aj, bj), lane_max, _mm512_load_ps(scores[j] + c));
-          if (_mm512_cmp_ps_mask(lane_max, _mm512_set1_ps(running_max[s]), _CMP_GT_OQ)) {
-            const float block_max = _mm512_reduce_max_ps(lane_max);
-            const __m512 rescale = _mm512_set1_ps(std::exp(running_max[s] - block_max));
-            _mm512_store_ps(denom[s], _mm512_mul_ps(_mm512_load_ps(denom[s]), rescale));
-            for (int c = 0; c < CH; ++c)
-              _mm512_store_ps(acc[s] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[s] + 16 * c), rescale));
-            running_max[s] = block_max;
-          }
-          const __m512 m = _mm512_set1_ps(running_max[s]);
-          __m512 sum = _mm512_load_ps(denom[s]);
-          for (int64_t c = c0; c < b; c += 16) {
-            // Rounded to the cache's dtype first, so the denominator sums exactly the weights the values get.
-            // A lane outside [aj, bj) is 0, whatever its score (a slot with no live lane keeps a -inf max).
-            const __m512 p = pagedllm::round_to(probs[j], _mm512_maskz_mov_ps(
-                live_lanes(c, aj, bj), pagedllm::exp16(_mm512_sub_ps(_mm512_load_ps(scores[j] + c), m))));
-            sum = _mm512_add_ps(sum, p);
-            pagedllm::store16(probs[j] + c, p);
-          }
-          _mm512_store_ps(denom[s], sum);
-        }
+        for (int64_t j = 0; j < per_kv; ++j)
+          attention::online_softmax_step<T, CH>(scores[j], probs[j], c0, b, std::max(a, first[j] - start),
+                                                std::min(b, len[j] - start), score_scale, running_max[s0 + j],
+                                                denom[s0 + j], acc[s0 + j]);
         auto values_pass = [&]<typename V>(const V* vr) {
           for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
             weighted_values_for<T, V, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vr,
@@ -293,22 +250,41 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     for (int64_t s = 0; s < served; ++s) {
       const int64_t kv = s / per_kv, tok = it.t0 + (s % per_kv) / group, g = s % group;
       T* o = out + ((query_start[it.row] + tok) * num_heads + (it.k0 + kv) * group + g) * D;
-      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(denom[s]));
-      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? v_scale / sum : 0.0f);
-      for (int c = 0; c < CH; ++c) pagedllm::store16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[s] + 16 * c), inv));
+      attention::write_output<T, CH>(o, acc[s], denom[s], v_scale);
     }
   };
+  // With amx_tiles, prompt tiles (items of several tokens) go to the tile unit; decodes stay here: one token's
+  // query heads fill too little of a tile.
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
+  const bool tiles = kBf16 && amx_tiles;
+  pagedllm::attention_amx::Operands<C> operands{};
+  if constexpr (kBf16)
+    operands = {q, q_stride, k_cache, v_cache, block_tables, seq_lens, query_start, out, num_heads, num_kv_heads,
+                block_size, table_stride, window, score_scale, v_scale};
   // Items differ in length by up to the context length: hand them out one at a time, not in equal ranges.
   const int threads = at::get_num_threads();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (size_t i = 0; i < items.size(); ++i) attend(items[i]);
+#pragma omp parallel num_threads(threads)
+  {
+    if (tiles) pagedllm::attention_amx::configure_tiles(block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < items.size(); ++i) {
+      if constexpr (kBf16)
+        if (tiles && items[i].t1 - items[i].t0 > 1) {
+          pagedllm::attention_amx::attend<C, CH>(items[i], operands);
+          continue;
+        }
+      attend(items[i]);
+    }
+    if (tiles) _tile_release();
+  }
 }
 
 // The work items of a batch. A one-token row (a decode) is one item with all its KV heads, so each block is read
 // as one contiguous run and prefetched whole; with few rows, one item per (row, KV head), so every thread has
-// work. A row of several tokens is cut into tiles of kTileSlots / group tokens, one KV head each.
-std::vector<Item> plan_items(const int64_t* query_start, int64_t rows, int64_t heads, int64_t kv_heads) {
-  const int64_t group = heads / kv_heads, tile = std::max<int64_t>(1, kTileSlots / group);
+// work. A row of several tokens is cut into tiles of tile_slots / group tokens, one KV head each.
+std::vector<Item> plan_items(const int64_t* query_start, int64_t rows, int64_t heads, int64_t kv_heads,
+                             int64_t tile_slots) {
+  const int64_t group = heads / kv_heads, tile = std::max<int64_t>(1, tile_slots / group);
   int64_t single = 0;
   for (int64_t r = 0; r < rows; ++r) single += query_start[r + 1] - query_start[r] == 1;
   const int64_t heads_per_item = single >= 4 * at::get_num_threads() ? kv_heads : 1;
@@ -330,11 +306,11 @@ template <typename T, typename C>
 void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* tables,
                        const int64_t* lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,
-                       float scale, int64_t window, float k_scale, float v_scale) {
+                       float scale, int64_t window, float k_scale, float v_scale, bool amx_tiles) {
 #define PAGEDLLM_CASE(CH)                                                                                    \
   case 16 * CH:                                                                                              \
     return attend_items<T, C, CH>(q, q_stride, k, v, tables, lens, query_start, items, out, heads, kv_heads, \
-                                  block_size, table_stride, scale, window, k_scale, v_scale);
+                                  block_size, table_stride, scale, window, k_scale, v_scale, amx_tiles);
   switch (head_dim) {
     PAGEDLLM_CASE(2)
     PAGEDLLM_CASE(4)
@@ -352,10 +328,11 @@ void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, con
 // ones of its sequence: the row's token i of n sees its first seq_lens[r] - (n - 1 - i) positions. k_cache,
 // v_cache [blocks, block_size, KVH, D] contiguous, in the layout of kv_layout.h, of q's dtype or (with a bf16
 // q) float8_e4m3fn; block_tables [rows, max_blocks] int64; seq_lens [rows] int64; query_start [rows + 1] int64;
-// window <= 0: none. Returns [tokens, H, D] in q's dtype.
+// window <= 0: none; amx: prompt tiles on the AMX tile unit (attention_amx.h) where it applies (a bf16 q, block
+// sizes 16, 32 or 64). Returns [tokens, H, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
-                              double k_scale, double v_scale) {
+                              double k_scale, double v_scale, bool amx) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [tokens, heads, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -378,6 +355,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(block_tables.size(0) == rows && query_start.size(0) == rows + 1,
               "one block table and length per row, and rows + 1 query starts");
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "scales must be positive");
+  TORCH_CHECK(!amx || pagedllm::amx_permitted(), "AMX tiles were asked for, but this CPU or process has none");
+  const bool amx_tiles = amx && q.scalar_type() == at::kBFloat16 &&
+                         pagedllm::attention_amx::block_size_supported(block_size);
   const int64_t* starts = query_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] == 0 && starts[rows] == q.size(0), "query_start must run from 0 to the token count");
@@ -388,25 +368,25 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                 "its table has");
   }
   auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
-  const std::vector<Item> items = plan_items(starts, rows, heads, kv_heads);
+  const std::vector<Item> items = plan_items(starts, rows, heads, kv_heads, amx_tiles ? kAmxTileSlots : kTileSlots);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const float s = static_cast<float>(scale), ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   const int64_t ts = block_tables.stride(0);
   if (q.scalar_type() == at::kFloat) {
     dispatch_head_dim<float, float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
                                     v_cache.data_ptr<float>(), tables, lens, starts, items, out.data_ptr<float>(),
-                                    heads, kv_heads, head_dim, block_size, ts, s, window, 1.0f, 1.0f);
+                                    heads, kv_heads, head_dim, block_size, ts, s, window, 1.0f, 1.0f, false);
   } else if (fp8) {
     dispatch_head_dim<at::BFloat16, c10::Float8_e4m3fn>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::Float8_e4m3fn>(),
         v_cache.data_ptr<c10::Float8_e4m3fn>(), tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads,
-        kv_heads, head_dim, block_size, ts, s, window, ks, vs);
+        kv_heads, head_dim, block_size, ts, s, window, ks, vs, amx_tiles);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
     dispatch_head_dim<at::BFloat16, at::BFloat16>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
         tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads, kv_heads, head_dim, block_size, ts, s,
-        window, 1.0f, 1.0f);
+        window, 1.0f, 1.0f, amx_tiles);
   }
   return out;
 }

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm_kernels.cpu.build import cpu_supported, extension
+from pagedllm_kernels.cpu.build import amx_supported, cpu_supported, extension
 
-__all__ = ["cpu_supported", "load_kernel", "paged_attention", "reference"]
+__all__ = ["amx_supported", "cpu_supported", "load_kernel", "paged_attention", "reference"]
 
 
 def load_kernel() -> None:
@@ -25,12 +25,13 @@ def load_kernel() -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, window: int | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, query_start_loc: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: float = 1.0, query_start_loc: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
     """q [tokens, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py), of q's dtype
     or float8_e4m3fn (with a bf16 q; values = elements * k_scale / v_scale); block_tables [rows, >=
     ceil(len/bs)] int64; seq_lens [rows] int64 (the context, this step's tokens included); query_start_loc
-    [rows + 1]: where each row's tokens start in q (default: one token per row). Returns [tokens, H, D] in q's
-    dtype."""
+    [rows + 1]: where each row's tokens start in q (default: one token per row). `amx`: prompts' tiles on the AMX
+    tile unit (attention_amx.h; a bf16 q and block sizes 16, 32 or 64, else it has no effect; refused where
+    the CPU has no AMX, see amx_supported()). Returns [tokens, H, D] in q's dtype."""
     if q.device.type != "cpu":
         raise ValueError("paged_attention is a CPU kernel")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:
@@ -46,7 +47,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()
     return extension().paged_attention(q, k_cache, v_cache, block_tables.long(), seq_lens.long().contiguous(),
                                        query_start_loc.long().contiguous(), float(scale), window or 0,
-                                       float(k_scale), float(v_scale))
+                                       float(k_scale), float(v_scale), bool(amx))
 
 
 def per_token_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor):

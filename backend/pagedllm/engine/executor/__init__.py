@@ -21,7 +21,7 @@ def make_executor(config: EngineConfig, info: ModelInfo):
     spec = WorkerSpec(config.model, info.dtype, info.device, config.cache.block_size, config.fused_cpu_ops,
                       config.amx_linear, lora.max_loras if lora.enable_lora else 0, lora.max_lora_rank,
                       config.model_impl, info.kv_dtype, config.quantization, config.cpu_decoder_loop,
-                      config.cpu_malloc_tuning)
+                      config.cpu_malloc_tuning, config.amx_attention)
     if config.tensor_parallel_size == 1:
         from pagedllm.engine.executor.local import LocalExecutor
 

@@ -48,6 +48,7 @@ class WorkerSpec:
     quantization: str | None = None  # "int8": W8A8 made at load (EngineConfig.quantization)
     cpu_decoder_loop: bool = True  # the layers in one C++ call where they can be (EngineConfig.cpu_decoder_loop)
     cpu_malloc_tuning: bool = True  # malloc keeps what steps free (EngineConfig.cpu_malloc_tuning)
+    amx_attention: bool = True  # the cpu attention backend's prompts on AMX (EngineConfig.amx_attention)
 
 
 def load_shard(spec: WorkerSpec, hf_config, device: str, group: TensorParallelGroup | None = None):
@@ -105,6 +106,8 @@ class Worker:
         each rank scales its own KV heads)."""
         if self.device == "cpu" and self.spec.cpu_malloc_tuning:  # after the load: its temporaries go back first
             keep_freed_memory()
+        if getattr(backend, "amx", False) and not self.spec.amx_attention:
+            backend.amx = False
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
         if calibration_ids:  # before the C++ loop, which takes the scales as they are when it is attached
