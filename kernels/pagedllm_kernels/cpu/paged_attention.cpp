@@ -295,9 +295,10 @@ std::vector<Item> plan_items(const int64_t* query_start, int64_t rows, int64_t h
       for (int64_t k0 = 0; k0 < kv_heads; k0 += heads_per_item) items.push_back({r, 0, 1, k0, k0 + heads_per_item});
       continue;
     }
-    // Last tiles first: they attend the longest context, and a thread that takes one last idles the longest.
-    for (int64_t t1 = n; t1 > 0; t1 -= tile)
-      for (int64_t k = 0; k < kv_heads; ++k) items.push_back({r, std::max<int64_t>(0, t1 - tile), t1, k, k + 1});
+    // KV head by KV head, so the threads' next items read the run their last ones left in cache; and last tiles
+    // first: they attend the longest context, and a thread that takes one last idles the longest.
+    for (int64_t k = 0; k < kv_heads; ++k)
+      for (int64_t t1 = n; t1 > 0; t1 -= tile) items.push_back({r, std::max<int64_t>(0, t1 - tile), t1, k, k + 1});
   }
   return items;
 }
