@@ -6,7 +6,7 @@ prompts, chunks after cached positions): this step's K/V are stored first, then 
 causally to its context, a prompt's tokens a tile at a time over each block while it is in cache. Measured
 faster than torch's fused causal SDPA on whole prompts (perf/attention_share.py). An fp8 cache (with a bf16
 model) is read by the same kernel, its bytes widened to bf16 pairs as they load, so fresh prompts too attend
-to the values the cache holds. On CPUs with AMX, prompts' tiles run on the tile unit (attention_amx.h: 3.3-3.6x
+to the values the cache holds. On CPUs with AMX, prompts' tiles run on the tile unit (attention_amx.h: 3.7-4.1x
 the AVX-512 path's speed on 512- and 1,500-token prompts, perf/README.md, session 28); decodes stay on AVX-512.
 """
 
