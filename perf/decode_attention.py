@@ -61,6 +61,15 @@ def one_pass(fn, q, caches, tables, lens, starts) -> float:
     return (time.perf_counter() - t0) / LAYERS
 
 
+def decode_call(kernel):
+    """A build's paged_attention with the arguments every version takes: since session 28 it also takes `amx`
+    (prompts on AMX tiles; no effect on decode rows), which is passed as off; older sources have no such
+    argument (pybind names it arg10 in the signature)."""
+    if "arg10" in (kernel.__doc__ or ""):
+        return lambda *args: kernel(*args, False)
+    return kernel
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="64x400,32x600,8x1024,4x2048", help="rows x longest context, comma-separated")
@@ -73,9 +82,9 @@ def main() -> None:
     ok, why = cpu_supported()
     if not ok:
         raise SystemExit(f"the AVX-512 kernels cannot run here: {why}")
-    kernels = {"ours": extension().paged_attention}
+    kernels = {"ours": decode_call(extension().paged_attention)}
     if args.against:
-        kernels["other"] = build_kernel_source(args.against, "paged_attention")
+        kernels["other"] = decode_call(build_kernel_source(args.against, "paged_attention"))
     peak = read_bandwidth()
     emit({"bench": "read_bandwidth", "gb_per_s": round(peak / 1e9, 1)})
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
