@@ -30,7 +30,7 @@ using Bf16 = at::BFloat16;
 
 constexpr int kMaxSlots = 64;  // query vectors per item: 4 row tiles
 constexpr int kSpan = 64;      // positions per online-softmax step
-constexpr int kMaxBlock = 64;
+using attention::kMaxBlock;
 
 // Block sizes the tiles take: whole 16-position chunks, and spans of whole blocks.
 inline bool block_size_supported(int64_t block_size) {

@@ -41,28 +41,8 @@ inline void widen_run(const c10::Float8_e4m3fn* src, at::BFloat16* dst, int64_t 
   }
 }
 
-// 2^t for the softmax's weights: 2^n * q(f), f = t - n in [-0.5, 0.5], q the Taylor polynomial of 2^f; of
-// degree 6 where the weights stay fp32 (relative error < 2e-7, as simd.h's exp16), of degree 4 where they are
-// rounded to bf16 next (< 5e-5, against bf16's half step of 2e-3).
-template <typename T>
-inline __m512 softmax_exp2(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 q;
-  if constexpr (std::is_same_v<T, float>) {
-    q = _mm512_set1_ps(1.5403530393381606e-4f);
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  } else {
-    q = _mm512_set1_ps(9.6181291076284772e-3f);
-  }
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, n);
-}
+// Positions per block the kernel takes (block sizes 16, 32, 48 or 64).
+constexpr int kMaxBlock = 64;
 
 // One query vector's online-softmax step over the unscaled scores of positions [c0, b) (16-position chunks
 // from a 16-aligned c0), of which [aj, bj) are live: its running max, the D = 16 * CH accumulators and the 16
@@ -87,13 +67,14 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
     for (int c = 0; c < CH; ++c) _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), rescale));
     running_max = block_max;
   }
-  // exp(s * scale - max) as 2^(s * scale * log2(e) - max * log2(e)): one FMA before the polynomial.
+  // exp(s * scale - max) as 2^(s * scale * log2(e) - max * log2(e)): one FMA before the polynomial, of degree 4
+  // where the weights are rounded to bf16 next (simd.h).
   constexpr float kLog2e = 1.4426950408889634f;
   const __m512 k = _mm512_set1_ps(scale * kLog2e), m = _mm512_set1_ps(running_max * kLog2e);
   __m512 sum = _mm512_load_ps(denom);
   for (int64_t c = c0; c < b; c += 16) {
     // A lane outside [aj, bj) is 0, whatever its score (a slot with no live lane keeps a -inf max).
-    __m512 p = _mm512_maskz_mov_ps(live(c), softmax_exp2<T>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
+    __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<std::is_same_v<T, float> ? 6 : 4>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
     if constexpr (std::is_same_v<T, float>) {
       _mm512_store_ps(probs + c, p);
     } else {  // rounded to bf16 first, so the denominator sums exactly the weights the values get

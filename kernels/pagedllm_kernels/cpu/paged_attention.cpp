@@ -26,7 +26,7 @@ using attention::Item;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head
 constexpr int kMaxHeads = 128;  // query heads per row
-constexpr int kMaxBlock = 64;   // tokens per block
+using attention::kMaxBlock;
 // Query vectors per item of a prompt's tile (tokens x query heads of a KV head); on the tile unit, its 4 row tiles.
 constexpr int kTileSlots = 48;
 constexpr int kAmxTileSlots = pagedllm::attention_amx::kMaxSlots;
