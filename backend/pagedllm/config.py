@@ -282,7 +282,8 @@ class EngineConfig:
     # CPU kernel switches (bf16 on CPU only; for A/B measurements), reported in EngineStats.kernels.
     fused_cpu_ops: bool = field(default_factory=lambda: _env_default("PAGEDLLM_FUSED_CPU_OPS"))
     amx_linear: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_LINEAR"))
-    # Prompts' attention on the AMX tile unit, where the CPU has one (the cpu backend; attention_amx.h)
+    # Prompts' attention, and wide GQA groups' decodes, on the AMX tile unit where the CPU has one (the cpu
+    # backend; attention_amx.h)
     amx_attention: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_ATTENTION"))
     # Steps of few rows through the decoder's layers in one C++ call (models/decoder_loop.py)
     cpu_decoder_loop: bool = field(default_factory=lambda: _env_default("PAGEDLLM_CPU_DECODER_LOOP"))

@@ -2,7 +2,7 @@
 positions) mixed with decode rows, against the token-by-token torch reference: lengths on and around block and
 tile boundaries, GQA ratios (tiles of 3 to 64 tokens), block sizes, fp32, bf16 and an fp8 cache, sliding
 windows, positions nobody owns poisoned. bf16 prompts run both ways where the CPU has AMX: on AVX-512 and on
-the tile unit (attention_amx.h)."""
+the tile unit (attention_amx.h), and so do decodes of 5 or more query heads per KV head."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ supported, why = kernel.cpu_supported()
 pytestmark = pytest.mark.skipif(not supported, reason=why)
 amx_ok, amx_why = kernel.amx_supported()
 ON_AMX = pytest.mark.skipif(not amx_ok, reason=amx_why)
-# Prompt tiles on AVX-512, or on the AMX tile unit (bf16 queries only).
+# Prompt tiles (and wide groups' decodes) on AVX-512, or on the AMX tile unit (bf16 queries only).
 PATHS = [pytest.param(False, id="avx512"), pytest.param(True, id="amx", marks=ON_AMX)]
 DTYPE_PATHS = [pytest.param(torch.float32, False, id="fp32"), pytest.param(torch.bfloat16, False, id="bf16"),
                pytest.param(torch.bfloat16, True, id="bf16-amx", marks=ON_AMX)]
@@ -74,9 +74,10 @@ def test_the_same_queries_one_token_per_row_give_the_same_outputs(dtype, amx):
 
 @pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
-def test_sliding_window(window, dtype, amx):
+@pytest.mark.parametrize("heads", [8, 14])  # decodes on AVX-512 / on the tile unit with amx
+def test_sliding_window(window, dtype, amx, heads):
     """Each token of a tile has its own window start; odd windows start mid token-pair in bf16."""
-    q, kc, vc, tables, lens, starts = make(8, 2, 64, 16, dtype)
+    q, kc, vc, tables, lens, starts = make(heads, 2, 64, 16, dtype)
     got = attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, query_start_loc=starts)
     torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
@@ -85,8 +86,10 @@ def test_sliding_window(window, dtype, amx):
 @pytest.mark.parametrize("amx", PATHS)
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("window", [None, 40])
-def test_an_fp8_cache_with_scales(window, block_size, amx):
-    q, kc, vc, tables, lens, starts = make(12, 4, 64, block_size, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+@pytest.mark.parametrize("heads,kv_heads", [(12, 4), (14, 2)])
+def test_an_fp8_cache_with_scales(window, block_size, amx, heads, kv_heads):
+    q, kc, vc, tables, lens, starts = make(heads, kv_heads, 64, block_size, torch.bfloat16,
+                                           cache_dtype=torch.float8_e4m3fn)
     got = attend(q, kc, vc, tables, lens, starts, 0.125, window, 0.5, 2.0, amx=amx)
     ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, 0.5, 2.0, query_start_loc=starts)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=8e-3)
@@ -95,10 +98,11 @@ def test_an_fp8_cache_with_scales(window, block_size, amx):
 @pytest.mark.parametrize("dtype,amx", DTYPE_PATHS)
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("window", [None, 7])
-def test_only_each_rows_context_is_read(dtype, amx, block_size, window):
+@pytest.mark.parametrize("heads", [4, 14])
+def test_only_each_rows_context_is_read(dtype, amx, block_size, window, heads):
     """NaN in every block no row owns and past each row's length in its last block (which the tiles read as a
     whole) changes no output."""
-    q, kc, vc, tables, lens, starts = make(4, 2, 64, block_size, dtype)
+    q, kc, vc, tables, lens, starts = make(heads, 2, 64, block_size, dtype)
     before = attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx)
     poison_outside_rows(kc, vc, tables, lens, block_size)
     torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx), before)
@@ -114,13 +118,30 @@ def test_one_long_prompt_is_shared_out_in_tiles(amx):
 
 
 @ON_AMX
-def test_amx_takes_the_prompts_and_leaves_the_decodes():
-    """The tile unit sums in another order than AVX-512: a prompt's outputs differ in some last bits, a decode
-    row's (which stays on AVX-512) are identical."""
-    q, kc, vc, tables, lens, starts = make(12, 4, 64, 16, torch.bfloat16, rows=[(40, 1), (300, 300), (64, 1)])
+@pytest.mark.parametrize("heads,kv_heads,decodes_on_tiles", [(12, 4, False), (16, 4, False), (10, 2, True),
+                                                             (14, 2, True)])
+def test_amx_takes_the_prompts_and_the_wide_groups_decodes(heads, kv_heads, decodes_on_tiles):
+    """The tile unit sums in another order than AVX-512: a prompt's outputs differ in some last bits, and so do
+    a decode row's from 5 query heads per KV head; below that a decode stays on AVX-512, bit for bit."""
+    q, kc, vc, tables, lens, starts = make(heads, kv_heads, 64, 16, torch.bfloat16,
+                                           rows=[(40, 1), (300, 300), (64, 1)])
     avx, amx = (attend(q, kc, vc, tables, lens, starts, 0.125, amx=a) for a in (False, True))
-    assert torch.equal(avx[0], amx[0]) and torch.equal(avx[-1], amx[-1])
     assert not torch.equal(avx[1:-1], amx[1:-1])
+    for decode in (0, -1):
+        assert torch.equal(avx[decode], amx[decode]) != decodes_on_tiles
+
+
+@pytest.mark.parametrize("amx", PATHS)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (28, 4, 128), (12, 4, 64)])
+def test_a_batch_of_decodes_matches_the_reference(amx, heads, kv_heads, head_dim):
+    """A serving step's decode rows (enough of them that the AVX-512 path takes all KV heads an item), their
+    contexts 1-300 positions and ending anywhere in a block."""
+    rows = [(1 + (37 * i) % 300, 1) for i in range(24)]
+    q, kc, vc, tables, lens, starts = make(heads, kv_heads, head_dim, 16, torch.bfloat16, rows=rows)
+    scale = head_dim ** -0.5
+    got = attend(q, kc, vc, tables, lens, starts, scale, amx=amx)
+    ref = kernel.reference(q, kc, vc, tables, lens, scale, query_start_loc=starts)
+    torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.skipif(amx_ok, reason="this CPU has AMX")

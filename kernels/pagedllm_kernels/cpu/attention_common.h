@@ -72,17 +72,29 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
   constexpr float kLog2e = 1.4426950408889634f;
   const __m512 k = _mm512_set1_ps(scale * kLog2e), m = _mm512_set1_ps(running_max * kLog2e);
   __m512 sum = _mm512_load_ps(denom);
-  for (int64_t c = c0; c < b; c += 16) {
-    // A lane outside [aj, bj) is 0, whatever its score (a slot with no live lane keeps a -inf max).
-    __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<std::is_same_v<T, float> ? 6 : 4>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
-    if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t c = c0; c < b; c += 16) {
+      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<6>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
       _mm512_store_ps(probs + c, p);
-    } else {  // rounded to bf16 first, so the denominator sums exactly the weights the values get
+      sum = _mm512_add_ps(sum, p);
+    }
+  } else {
+    // Rounded to bf16 first, so the denominator sums exactly the weights the values get: pairs of them by a bf16
+    // dot product with ones (exact products, fp32 sums), two chunks at a time.
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    __m256i pending = _mm256_setzero_si256();
+    bool have = false;
+    for (int64_t c = c0; c < b; c += 16) {
+      // Live lanes' exponents are finite and <= 0 (no clamp needed: below -126 the weight underflows to 0).
+      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<4, false>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
       const __m256i h = pagedllm::to_bf16(p);
       _mm256_store_si256(reinterpret_cast<__m256i*>(probs + c), h);
-      p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      if (have)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(pending), h, 1), ones);
+      pending = h;
+      have = !have;
     }
-    sum = _mm512_add_ps(sum, p);
+    if (have) sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(pending), _mm256_setzero_si256(), 1), ones);
   }
   _mm512_store_ps(denom, sum);
 }

@@ -31,6 +31,10 @@ using attention::kMaxBlock;
 constexpr int kTileSlots = 48;
 constexpr int kAmxTileSlots = pagedllm::attention_amx::kMaxSlots;
 constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's heads, or a tile (<= kTileSlots, or a group)
+// Query heads per KV head from which decodes, too, go to the tile unit (with amx): one token's heads fill that many
+// of a row tile's 16 rows. A decode layer's attention on the 2-core Intel AMX host (perf/README.md, session 29),
+// tiles / AVX-512: group 3 1.02-1.17x the time, 4 0.99-1.01x, 5 0.79-0.96x, 7 0.72-0.88x, 16 0.72-0.86x.
+constexpr int kMinDecodeTileGroup = 5;
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
 // bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
@@ -144,7 +148,7 @@ template <typename T, typename C, int CH>
 void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* block_tables,
                   const int64_t* seq_lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_stride, float scale,
-                  int64_t window, float k_scale, float v_scale, bool amx_tiles) {
+                  int64_t window, float k_scale, float v_scale, bool amx_tiles, bool decode_tiles) {
   constexpr int64_t D = 16 * CH;
   constexpr int P = kUnit<T>, U = static_cast<int>(D) / P;
   constexpr int SB = 8;                 // slots per scores pass
@@ -253,8 +257,9 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
       attention::write_output<T, CH>(o, acc[s], denom[s], v_scale);
     }
   };
-  // With amx_tiles, prompt tiles (items of several tokens) go to the tile unit; decodes stay here: one token's
-  // query heads fill too little of a tile.
+  // With amx_tiles, prompt tiles (items of several tokens) go to the tile unit; decodes too with decode_tiles
+  // (a group of kMinDecodeTileGroup or more), else they stay here: one token's query heads fill too little of a
+  // tile.
   constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const bool tiles = kBf16 && amx_tiles;
   pagedllm::attention_amx::Operands<C> operands{};
@@ -269,7 +274,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < items.size(); ++i) {
       if constexpr (kBf16)
-        if (tiles && items[i].t1 - items[i].t0 > 1) {
+        if (tiles && (items[i].t1 - items[i].t0 > 1 || decode_tiles)) {
           pagedllm::attention_amx::attend<C, CH>(items[i], operands);
           continue;
         }
@@ -280,14 +285,15 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
 }
 
 // The work items of a batch. A one-token row (a decode) is one item with all its KV heads, so each block is read
-// as one contiguous run and prefetched whole; with few rows, one item per (row, KV head), so every thread has
-// work. A row of several tokens is cut into tiles of tile_slots / group tokens, one KV head each.
+// as one contiguous run and prefetched whole; with few rows, or with decode_tiles (the tile unit takes one KV head
+// an item), one item per (row, KV head), so every thread has work. A row of several tokens is cut into tiles of
+// tile_slots / group tokens, one KV head each.
 std::vector<Item> plan_items(const int64_t* query_start, int64_t rows, int64_t heads, int64_t kv_heads,
-                             int64_t tile_slots) {
+                             int64_t tile_slots, bool decode_tiles) {
   const int64_t group = heads / kv_heads, tile = std::max<int64_t>(1, tile_slots / group);
   int64_t single = 0;
   for (int64_t r = 0; r < rows; ++r) single += query_start[r + 1] - query_start[r] == 1;
-  const int64_t heads_per_item = single >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t heads_per_item = single >= 4 * at::get_num_threads() && !decode_tiles ? kv_heads : 1;
   std::vector<Item> items;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = query_start[r + 1] - query_start[r];
@@ -307,11 +313,12 @@ template <typename T, typename C>
 void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* tables,
                        const int64_t* lens, const int64_t* query_start, const std::vector<Item>& items, T* out,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t table_stride,
-                       float scale, int64_t window, float k_scale, float v_scale, bool amx_tiles) {
+                       float scale, int64_t window, float k_scale, float v_scale, bool amx_tiles,
+                       bool decode_tiles) {
 #define PAGEDLLM_CASE(CH)                                                                                    \
   case 16 * CH:                                                                                              \
     return attend_items<T, C, CH>(q, q_stride, k, v, tables, lens, query_start, items, out, heads, kv_heads, \
-                                  block_size, table_stride, scale, window, k_scale, v_scale, amx_tiles);
+                                  block_size, table_stride, scale, window, k_scale, v_scale, amx_tiles, decode_tiles);
   switch (head_dim) {
     PAGEDLLM_CASE(2)
     PAGEDLLM_CASE(4)
@@ -329,8 +336,9 @@ void dispatch_head_dim(const T* q, int64_t q_stride, const C* k, const C* v, con
 // ones of its sequence: the row's token i of n sees its first seq_lens[r] - (n - 1 - i) positions. k_cache,
 // v_cache [blocks, block_size, KVH, D] contiguous, in the layout of kv_layout.h, of q's dtype or (with a bf16
 // q) float8_e4m3fn; block_tables [rows, max_blocks] int64; seq_lens [rows] int64; query_start [rows + 1] int64;
-// window <= 0: none; amx: prompt tiles on the AMX tile unit (attention_amx.h) where it applies (a bf16 q, block
-// sizes 16, 32 or 64). Returns [tokens, H, D] in q's dtype.
+// window <= 0: none; amx: prompt tiles, and decodes of kMinDecodeTileGroup or more query heads per KV head, on
+// the AMX tile unit (attention_amx.h) where it applies (a bf16 q, block sizes 16, 32 or 64). Returns
+// [tokens, H, D] in q's dtype.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                               torch::Tensor seq_lens, torch::Tensor query_start, double scale, int64_t window,
                               double k_scale, double v_scale, bool amx) {
@@ -369,25 +377,27 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                 "its table has");
   }
   auto out = torch::empty({q.size(0), heads, head_dim}, q.options());
-  const std::vector<Item> items = plan_items(starts, rows, heads, kv_heads, amx_tiles ? kAmxTileSlots : kTileSlots);
+  const bool decode_tiles = amx_tiles && heads / kv_heads >= kMinDecodeTileGroup;
+  const std::vector<Item> items = plan_items(starts, rows, heads, kv_heads, amx_tiles ? kAmxTileSlots : kTileSlots,
+                                             decode_tiles);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const float s = static_cast<float>(scale), ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
   const int64_t ts = block_tables.stride(0);
   if (q.scalar_type() == at::kFloat) {
     dispatch_head_dim<float, float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
                                     v_cache.data_ptr<float>(), tables, lens, starts, items, out.data_ptr<float>(),
-                                    heads, kv_heads, head_dim, block_size, ts, s, window, 1.0f, 1.0f, false);
+                                    heads, kv_heads, head_dim, block_size, ts, s, window, 1.0f, 1.0f, false, false);
   } else if (fp8) {
     dispatch_head_dim<at::BFloat16, c10::Float8_e4m3fn>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::Float8_e4m3fn>(),
         v_cache.data_ptr<c10::Float8_e4m3fn>(), tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads,
-        kv_heads, head_dim, block_size, ts, s, window, ks, vs, amx_tiles);
+        kv_heads, head_dim, block_size, ts, s, window, ks, vs, amx_tiles, decode_tiles);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
     dispatch_head_dim<at::BFloat16, at::BFloat16>(
         q.data_ptr<at::BFloat16>(), q.stride(0), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
         tables, lens, starts, items, out.data_ptr<at::BFloat16>(), heads, kv_heads, head_dim, block_size, ts, s,
-        window, 1.0f, 1.0f, amx_tiles);
+        window, 1.0f, 1.0f, amx_tiles, decode_tiles);
   }
   return out;
 }

@@ -29,9 +29,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [tokens, H, D]; caches [blocks, block_size, KVH, D] in the kernels' layout (kv_layout.py), of q's dtype
     or float8_e4m3fn (with a bf16 q; values = elements * k_scale / v_scale); block_tables [rows, >=
     ceil(len/bs)] int64; seq_lens [rows] int64 (the context, this step's tokens included); query_start_loc
-    [rows + 1]: where each row's tokens start in q (default: one token per row). `amx`: prompts' tiles on the AMX
-    tile unit (attention_amx.h; a bf16 q and block sizes 16, 32 or 64, else it has no effect; refused where
-    the CPU has no AMX, see amx_supported()). Returns [tokens, H, D] in q's dtype."""
+    [rows + 1]: where each row's tokens start in q (default: one token per row). `amx`: prompts' tiles, and
+    decodes with 5 or more query heads per KV head, on the AMX tile unit (attention_amx.h; a bf16 q and block
+    sizes 16, 32 or 64, else it has no effect; refused where the CPU has no AMX, see amx_supported()). Returns
+    [tokens, H, D] in q's dtype."""
     if q.device.type != "cpu":
         raise ValueError("paged_attention is a CPU kernel")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != q.shape[2]:

@@ -14,11 +14,12 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 
 // 2^t (t >= -126 taken; inf above 128): 2^n * q(f), n = round(t), f in [-0.5, 0.5], q the Taylor polynomial of
-// 2^f of degree 6 (relative error < 2e-7) or 4 (< 5e-5, enough for a value rounded to bf16 next).
-template <int Degree = 6>
+// 2^f of degree 6 (relative error < 2e-7) or 4 (< 5e-5, enough for a value rounded to bf16 next). Without Clamp,
+// t must be finite (below -126 the result underflows towards 0; -inf or NaN give NaN).
+template <int Degree = 6, bool Clamp = true>
 inline __m512 exp2_16(__m512 t) {
   static_assert(Degree == 4 || Degree == 6, "degree 4 or 6");
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+  if constexpr (Clamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_sub_ps(t, n);
   __m512 p;
