@@ -7,7 +7,8 @@ causally to its context, a prompt's tokens a tile at a time over each block whil
 faster than torch's fused causal SDPA on whole prompts (perf/attention_share.py). An fp8 cache (with a bf16
 model) is read by the same kernel, its bytes widened to bf16 pairs as they load, so fresh prompts too attend
 to the values the cache holds. On CPUs with AMX, prompts' tiles run on the tile unit (attention_amx.h: 3.7-4.1x
-the AVX-512 path's speed on 512- and 1,500-token prompts, perf/README.md, session 28); decodes stay on AVX-512.
+the AVX-512 path's speed on 512- and 1,500-token prompts, perf/README.md, session 28), and so do decodes where a
+KV head has 5 or more query heads (session 29); other decodes stay on AVX-512.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class CpuAttention:
     name = "cpu"
 
     def __init__(self, amx: bool | None = None) -> None:
-        """`amx`: prompts on the AMX tile unit (None: where the CPU has one; EngineConfig.amx_attention=False
-        turns it off for the engine's runner)."""
+        """`amx`: prompts (and wide groups' decodes) on the AMX tile unit (None: where the CPU has one;
+        EngineConfig.amx_attention=False turns it off for the engine's runner)."""
         from pagedllm_kernels.cpu import kv_layout
         from pagedllm_kernels.cpu import paged_attention as kernel
 
