@@ -42,6 +42,20 @@ def llama_dir(model_dir):
     return model_dir("llama")
 
 
+def parted_at_near_ties(ref_outputs, outputs, max_gap: float = 0.1) -> int:
+    """Two engines' greedy outputs of the same requests (each made with logprobs >= 2): where a sequence first
+    parts from the reference's, the reference's top two tokens must be within max_gap (a near-tie, which bf16
+    rounding in another summation order may flip). Returns how many sequences parted."""
+    parted = 0
+    for ref, got in zip(ref_outputs, outputs):
+        first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
+        if first is not None:
+            top2 = sorted((lp.logprob for lp in ref.logprobs[first].values()), reverse=True)
+            assert top2[0] - top2[1] < max_gap, (first, ref.logprobs[first], got.logprobs[first])
+            parted += 1
+    return parted
+
+
 def random_prompts(lengths, vocab=2048, seed=0) -> list[list[int]]:
     """Prompts of random token ids (BOS first, specials excluded)."""
     rng = random.Random(seed)

@@ -1,7 +1,7 @@
 """Attention backend selection, and the Triton and CPU-kernel backends inside the engine."""
 
 import pytest
-from conftest import assert_all_blocks_free, random_prompts
+from conftest import assert_all_blocks_free, parted_at_near_ties, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import selector
 from pagedllm_kernels.cpu import avx2_attention
@@ -30,14 +30,25 @@ def test_triton_backend_gives_the_same_greedy_tokens_as_torch(model_dir):
 @pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
 @pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("qwen3", "float32"), ("llama", "bfloat16")])
 def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtype):
+    """fp32: the same tokens. bf16: a sequence may part from torch's only at a near-tie of torch's top two tokens
+    (the tiny random model's bf16 logprobs tie at many positions, and the kernel sums in another order than SDPA:
+    on the Intel AMX host seed 2's 700-token prompt parted at its 22nd token, at such a tie, once the prompt tiles'
+    softmax spans grew to 128 positions)."""
     prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # 700: prefill chunks deep into a long context
     kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
               device="cpu")  # a CPU kernel, also when the test host has a GPU
-    ref = LLM(model_dir(arch), attention_backend="torch", **kw)
-    cpu = LLM(model_dir(arch), attention_backend="cpu", **kw)
-    assert cpu.get_stats().attention_backend == "cpu"
-    assert greedy(cpu, prompts, n=24) == greedy(ref, prompts, n=24)
-    assert_all_blocks_free(cpu)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = []
+    for backend in ("torch", "cpu"):
+        llm = LLM(model_dir(arch), attention_backend=backend, **kw)
+        assert llm.get_stats().attention_backend == backend
+        outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)])
+        assert_all_blocks_free(llm)
+    if dtype == "float32":
+        assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    else:
+        assert parted_at_near_ties(*outs) <= 2
 
 
 @needs_avx2
