@@ -63,8 +63,9 @@ def one_pass(fn, q, caches, tables, lens, starts) -> float:
 
 def decode_call(kernel):
     """A build's paged_attention with the arguments every version takes: since session 28 it also takes `amx`
-    (prompts on AMX tiles; no effect on decode rows), which is passed as off; older sources have no such
-    argument (pybind names it arg10 in the signature)."""
+    (prompts on AMX tiles; since session 29 also decodes of 5+ query heads per KV head, not this script's 125M
+    shape), which is passed as off; older sources have no such argument (pybind names it arg10 in the
+    signature)."""
     if "arg10" in (kernel.__doc__ or ""):
         return lambda *args: kernel(*args, False)
     return kernel

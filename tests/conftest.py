@@ -17,6 +17,7 @@ os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-te
 
 import pytest
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.tiny_model import make_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -40,6 +41,20 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(model_dir):
     return model_dir("llama")
+
+
+def greedy_outputs_by_backend(model, backends, prompts, max_tokens, **engine_kw) -> list[list]:
+    """Per attention backend, a fresh engine's greedy outputs (with the top two logprobs) of the prompts; each
+    engine reports the backend it was given and returns every KV block."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outs = []
+    for backend in backends:
+        llm = LLM(model, attention_backend=backend, **engine_kw)
+        assert llm.get_stats().attention_backend == backend
+        outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)])
+        assert_all_blocks_free(llm)
+    return outs
 
 
 def parted_at_near_ties(ref_outputs, outputs, max_gap: float = 0.1) -> int:

@@ -1,7 +1,7 @@
 """Attention backend selection, and the Triton and CPU-kernel backends inside the engine."""
 
 import pytest
-from conftest import assert_all_blocks_free, parted_at_near_ties, random_prompts
+from conftest import assert_all_blocks_free, greedy_outputs_by_backend, parted_at_near_ties, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention import selector
 from pagedllm_kernels.cpu import avx2_attention
@@ -37,14 +37,7 @@ def test_cpu_backend_gives_the_same_greedy_tokens_as_torch(model_dir, arch, dtyp
     prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # 700: prefill chunks deep into a long context
     kw = dict(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
               device="cpu")  # a CPU kernel, also when the test host has a GPU
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    outs = []
-    for backend in ("torch", "cpu"):
-        llm = LLM(model_dir(arch), attention_backend=backend, **kw)
-        assert llm.get_stats().attention_backend == backend
-        outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                        use_tqdm=False)])
-        assert_all_blocks_free(llm)
+    outs = greedy_outputs_by_backend(model_dir(arch), ("torch", "cpu"), prompts, 24, **kw)
     if dtype == "float32":
         assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
     else:

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free, parted_at_near_ties, random_prompts
+from conftest import assert_all_blocks_free, greedy_outputs_by_backend, parted_at_near_ties, random_prompts
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
@@ -164,14 +164,7 @@ def test_cpu_kernels_and_torch_read_the_fp8_cache_alike(model_dir, kernel):
     prompts = random_prompts([5, 40, 17, 1, 90, 700], seed=2)  # chunks deep into a long context
     kw = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64,
               device="cpu", kv_cache_dtype="fp8")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    outs = []
-    for backend in ("torch", kernel):
-        llm = LLM(model_dir("llama"), attention_backend=backend, **kw)
-        assert llm.get_stats().attention_backend == backend
-        outs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                        use_tqdm=False)])
-        assert_all_blocks_free(llm)
+    outs = greedy_outputs_by_backend(model_dir("llama"), ("torch", kernel), prompts, 24, **kw)
     parted = parted_at_near_ties(*outs)
     # The tiny random model's bf16 logprobs tie exactly at many positions (seeds 3 and 4 of these lengths part
     # 2-4 of the 6 sequences, each at a tie, before and after prompts moved from SDPA to the kernel; seed 2 parts

@@ -72,9 +72,11 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
   constexpr float kLog2e = 1.4426950408889634f;
   const __m512 k = _mm512_set1_ps(scale * kLog2e), m = _mm512_set1_ps(running_max * kLog2e);
   __m512 sum = _mm512_load_ps(denom);
+  // A lane outside [aj, bj) is 0, whatever its score (a slot with no live lane keeps a -inf max).
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t c = c0; c < b; c += 16) {
-      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<6>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
+      const __m512 t = _mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m);
+      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<6>(t));
       _mm512_store_ps(probs + c, p);
       sum = _mm512_add_ps(sum, p);
     }
@@ -82,19 +84,22 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
     // Rounded to bf16 first, so the denominator sums exactly the weights the values get: pairs of them by a bf16
     // dot product with ones (exact products, fp32 sums), two chunks at a time.
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    auto sum_pairs = [&](__m256i lo, __m256i hi) {
+      return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), ones);
+    };
     __m256i pending = _mm256_setzero_si256();
     bool have = false;
     for (int64_t c = c0; c < b; c += 16) {
       // Live lanes' exponents are finite and <= 0 (no clamp needed: below -126 the weight underflows to 0).
-      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<4, false>(_mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m)));
+      const __m512 t = _mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m);
+      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<4, false>(t));
       const __m256i h = pagedllm::to_bf16(p);
       _mm256_store_si256(reinterpret_cast<__m256i*>(probs + c), h);
-      if (have)
-        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(pending), h, 1), ones);
+      if (have) sum = sum_pairs(pending, h);
       pending = h;
       have = !have;
     }
-    if (have) sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(pending), _mm256_setzero_si256(), 1), ones);
+    if (have) sum = sum_pairs(pending, _mm256_setzero_si256());
   }
   _mm512_store_ps(denom, sum);
 }

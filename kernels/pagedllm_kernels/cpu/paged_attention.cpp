@@ -33,7 +33,8 @@ constexpr int kAmxTileSlots = pagedllm::attention_amx::kMaxSlots;
 constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's heads, or a tile (<= kTileSlots, or a group)
 // Query heads per KV head from which decodes, too, go to the tile unit (with amx): one token's heads fill that many
 // of a row tile's 16 rows. A decode layer's attention on the 2-core Intel AMX host (perf/README.md, session 29),
-// tiles / AVX-512: group 3 1.02-1.17x the time, 4 0.99-1.01x, 5 0.79-0.96x, 7 0.72-0.88x, 16 0.72-0.86x.
+// tiles / AVX-512: group 3 1.02-1.17x the time, 4 0.99-1.01x, 5 0.79-0.96x, 7 0.71-0.90x, 8 0.72-0.86x, 16
+// 0.48-0.62x.
 constexpr int kMinDecodeTileGroup = 5;
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
