@@ -285,7 +285,7 @@ class EngineConfig:
     # Prompts' attention, and wide GQA groups' decodes, on the AMX tile unit where the CPU has one (the cpu
     # backend; attention_amx.h)
     amx_attention: bool = field(default_factory=lambda: _env_default("PAGEDLLM_AMX_ATTENTION"))
-    # Steps of few rows through the decoder's layers in one C++ call (models/decoder_loop.py)
+    # Steps (decodes and prompts) through the decoder's layers in one C++ call (models/decoder_loop.py)
     cpu_decoder_loop: bool = field(default_factory=lambda: _env_default("PAGEDLLM_CPU_DECODER_LOOP"))
     # glibc malloc keeps freed memory (no mmap per large activation; engine/cpu_allocator.py), process-wide
     cpu_malloc_tuning: bool = field(default_factory=lambda: _env_default("PAGEDLLM_CPU_MALLOC_TUNING"))

@@ -13,10 +13,12 @@ from conftest import assert_all_blocks_free, random_prompts
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import decoder_loop
+from pagedllm.models.layers import packed_linear
 from pagedllm.models.layers.int4_linear import CPU_KERNEL_ROWS
 from pagedllm.models.quantization.tiny_checkpoints import make_fp8_checkpoint, make_int4_checkpoint
 from pagedllm.tiny_model import make_variant_model
 from pagedllm_kernels.cpu import build
+from pagedllm_kernels.cpu import decoder_loop as loop_ops
 
 pytestmark = pytest.mark.skipif(not build.cpu_supported()[0], reason="the C++ kernels need AVX512-BF16")
 
@@ -96,6 +98,24 @@ def test_the_loop_runs_fp8_linears(llama_dir, tmp_path, loop_calls, activations)
 @pytest.mark.skipif(not build.vnni_supported()[0], reason="W8A8 needs AVX512-VNNI")
 def test_the_loop_runs_int8_linears(llama_dir, loop_calls):
     compare(llama_dir, loop_calls, quantization="int8")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_steps_above_the_tiles_rows_go_through_the_loop_on_onednn(model_dir, loop_calls, monkeypatch, arch):
+    """bf16 linears take every step in the loop: up to the raced rows on our tiles, above on oneDNN's packed
+    matmul as PackedLinear calls it (qwen2: with the q/k/v bias). With the race pinned at 8 rows, the prompts'
+    steps (17-129 rows) take oneDNN inside the loop, and the tokens and logprobs are still the modules'."""
+    monkeypatch.setattr(packed_linear, "race_tile_rows", lambda named: (8, True, []))
+    llm = compare(model_dir(arch), loop_calls)
+    assert loop_of(llm).max_rows == decoder_loop.UNLIMITED
+    assert max(loop_calls) > 8
+
+
+def test_the_loop_pads_onednn_rows_as_the_modules_do():
+    """Each row count the loop gives oneDNN is packed_linear.bucket_rows's, so a process meets the same few dozen
+    primitive shapes whichever path runs a step (an unbucketed size costs a primitive per weight shape)."""
+    sizes = range(1, 8193)
+    assert [loop_ops.onednn_rows(n) for n in sizes] == [packed_linear.bucket_rows(n) for n in sizes]
 
 
 def test_steps_of_more_rows_than_the_loop_takes_run_through_the_modules(llama_dir, loop_calls, monkeypatch):

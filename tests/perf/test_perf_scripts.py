@@ -24,6 +24,7 @@ def run(script, *args):
 @pytest.mark.parametrize("script, args, key", [
     ("throughput.py", ["--quick", "--engines", "pagedllm"], "steady_state_tokens_per_s"),
     ("memory.py", ["--quick"], "concurrency_ratio"),
+    ("prefill.py", ["--quick", "--engines", "pagedllm,pagedllm:cpu_decoder_loop=false"], "ratio_to_baseline"),
     ("attention_share.py", ["--quick", "--backends", "torch"], "attention_share"),
     pytest.param("quantized_linear.py", ["--rows", "1,9"], "fp8_over_bf16", marks=needs_kernels),
     ("parallel_sampling.py", ["--quick"], "speedup_median"),

@@ -10,13 +10,14 @@ per runner.
 
 `attach_decoder_loop` gives it to a model where every layer is made of parts it runs: the plain DecoderLayer
 (Attention, MLP with SiLU, RMSNorm, optional per-head q/k norms), linears whose CPU kernels it calls as their
-modules do (PackedLinear's bf16 or AMX tiles, Int4Linear's AWQ/GPTQ kernel, Fp8Linear's widening kernel with its
-activations' rounding, Int8Linear's W8A8 one), the fused ops, the CPU attention backend, rope over whole heads
-whose frequencies do not depend on the sequence's length, no LoRA. Anything else (experts, Gemma's
-norms, soft-capping, tensor parallelism, the torch backend) keeps the modules, and so does a step with more rows
-than a linear's kernel takes (the tiles' raced limit, int4's 64: prefill chunks, where the linears go to
-oneDNN and Python's share of the step is negligible; fp8 and int8 linears have one kernel for every size, so
-their models' prompt steps run through the loop too).
+modules do (PackedLinear's bf16 or AMX tiles up to their raced rows and oneDNN's packed matmul above, Int4Linear's
+AWQ/GPTQ kernel, Fp8Linear's widening kernel with its activations' rounding, Int8Linear's W8A8 one), the fused
+ops, the CPU attention backend, rope over whole heads whose frequencies do not depend on the sequence's length,
+no LoRA. Anything else (experts, Gemma's norms, soft-capping, tensor parallelism, the torch backend) keeps the
+modules, and so does a step with more rows than int4's kernel takes (64: above, its module dequantizes for
+oneDNN). Prompt steps go through the loop too: a 256-token prompt of the 125M model spent a third of the
+OpenMP worker's time waiting for the next kernel while the modules' Python ran; through the loop it takes 0.89x
+the modules' time (perf/prefill.py, session 30).
 """
 
 from __future__ import annotations
@@ -75,17 +76,18 @@ def _linears(layer) -> list:
 
 
 def _max_rows(linear) -> int:
-    """The most rows the kernel the loop calls for `linear` takes, as its module's CPU path decides."""
-    if type(linear) is PackedLinear:
-        return linear.max_tile_rows
-    return CPU_KERNEL_ROWS if type(linear) is Int4Linear else UNLIMITED  # fp8 and int8: one kernel for every size
+    """The most rows the kernels the loop calls for `linear` take, as its module's CPU path decides."""
+    return CPU_KERNEL_ROWS if type(linear) is Int4Linear else UNLIMITED  # bf16: tiles, then oneDNN; fp8, int8: one
 
 
 def _loop_linear(ops, linear):
     """`linear` as the loop's linear: the kernel its module's forward calls on a bf16 CPU input."""
     if type(linear) is PackedLinear:
-        make = ops.amx_linear if linear.tiles_kernel is amx_linear else ops.linear
-        return make(linear.weight_tiles, linear.bias_f32)
+        tiles = None
+        if linear.tiles_kernel is not None:
+            make = ops.amx_linear if linear.tiles_kernel is amx_linear else ops.linear
+            tiles = make(linear.weight_tiles, linear.bias_f32)
+        return ops.packed_linear(linear.packed_weight, linear.bias, tiles, linear.max_tile_rows)
     if type(linear) is Int4Linear:
         return ops.int4_linear(linear.packed, linear.scales, linear.mins, linear.group_size, linear.perm, linear.bias)
     if type(linear) is Fp8Linear:

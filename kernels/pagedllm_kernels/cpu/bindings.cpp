@@ -19,12 +19,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, kFree, "bf16 x @ W^T + b, W in bf16_tiles.py's tiles (decode-sized batches)");
   m.def("int8_linear", &int8_linear, kFree, "W8A8: x quantized per row, int8 W per column, AVX512-VNNI int32 sums");
   m.def("fp8_round_input", &fp8_round_input, "x rounded to e4m3 at a static, per-row or per-tensor scale, and back");
+  m.def("onednn_rows", &onednn_rows, "the rows the decoder loop gives oneDNN's matmul for `rows` (bucket_rows)");
   m.def("argmax", &argmax, "index of each row's largest value, the first on ties");
   m.def("lora_delta_", &lora_delta_, kFree, "y += (x A[slot]^T) B[slot] per adapter group of tokens, bf16, in place");
   m.def("mask_logits_", &mask_logits_, "-inf, in place, at the tokens a row's bitmask does not allow");
   pybind11::class_<DecoderLoop::Linear>(m, "LoopLinear")
       .def_static("bf16_tiles", &DecoderLoop::bf16_tiles, pybind11::arg("tiles"), pybind11::arg("bias"))
       .def_static("amx", &DecoderLoop::amx, pybind11::arg("packed"), pybind11::arg("bias"))
+      .def_static("packed", &DecoderLoop::packed, pybind11::arg("onednn_weight"), pybind11::arg("bias"),
+                  pybind11::arg("tiles"), pybind11::arg("tile_rows"))
       .def_static("int4", &DecoderLoop::int4, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("mins"),
                   pybind11::arg("group_size"), pybind11::arg("perm"), pybind11::arg("bias"))
       .def_static("fp8", &DecoderLoop::fp8, pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("bias"),

@@ -7,7 +7,43 @@
 // each call gets the step's embeddings, rope tables and attention metadata.
 #include "decoder_loop.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
 #include <chrono>
+
+// packed_linear.py's bucket_rows: the row count oneDNN is given (zero rows appended), so its primitive caches hold
+// a few dozen sizes; tests/models/test_decoder_loop.py holds the two equal.
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= 8) {
+    int64_t bucket = 1;
+    while (bucket < rows) bucket <<= 1;
+    return bucket;
+  }
+  const int64_t step = rows <= 64 ? 8 : rows <= 512 ? 16 : 64;
+  return (rows + step - 1) / step * step;
+}
+
+namespace {
+
+// packed_linear.py's packed_matmul: the rows padded to their bucket through the op PackedLinear calls, the padding
+// dropped. Called boxed: the op is registered by torch, its C++ signature is not in its headers.
+torch::Tensor onednn_matmul(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), bucket = onednn_rows(rows);
+  torch::Tensor padded = x;
+  if (bucket != rows) {
+    padded = x.new_zeros({bucket, x.size(1)});
+    padded.narrow(0, 0, rows).copy_(x);
+  }
+  torch::jit::Stack stack{padded, weight, bias ? c10::IValue(*bias) : c10::IValue(), "none",
+                          c10::List<std::optional<c10::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor().narrow(0, 0, rows);
+}
+
+}  // namespace
 
 DecoderLoop::Linear DecoderLoop::bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias) {
   return {[tiles, bias](const torch::Tensor& x, bool prefetch) { return bf16_linear(x, tiles, bias, prefetch); }};
@@ -15,6 +51,13 @@ DecoderLoop::Linear DecoderLoop::bf16_tiles(torch::Tensor tiles, std::optional<t
 
 DecoderLoop::Linear DecoderLoop::amx(torch::Tensor packed, std::optional<torch::Tensor> bias) {
   return {[packed, bias](const torch::Tensor& x, bool) { return amx_linear(x, packed, bias); }};
+}
+
+DecoderLoop::Linear DecoderLoop::packed(torch::Tensor onednn_weight, std::optional<torch::Tensor> bias,
+                                        std::optional<Linear> tiles, int64_t tile_rows) {
+  return {[=](const torch::Tensor& x, bool prefetch) {
+    return tiles && x.size(0) <= tile_rows ? tiles->apply(x, prefetch) : onednn_matmul(x, onednn_weight, bias);
+  }};
 }
 
 DecoderLoop::Linear DecoderLoop::int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,

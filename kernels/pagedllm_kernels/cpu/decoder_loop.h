@@ -18,6 +18,10 @@ class DecoderLoop {
   static Linear bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias);
   // PackedLinear on AMX hosts: the weight in amx_linear.py's tiles; bias float32 or none.
   static Linear amx(torch::Tensor packed, std::optional<torch::Tensor> bias);
+  // PackedLinear as a whole: up to `tile_rows` rows through `tiles` (one of the two above, or none), more through
+  // oneDNN's matmul on its packed weight (packed_linear.py's pack_weight; bias in the model's dtype, or none).
+  static Linear packed(torch::Tensor onednn_weight, std::optional<torch::Tensor> bias, std::optional<Linear> tiles,
+                       int64_t tile_rows);
   // Int4Linear (AWQ, GPTQ): int4_layout.py's weight; `perm`: GPTQ desc_act's input order, or none.
   static Linear int4(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size,
                      std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias);

@@ -1,5 +1,5 @@
 """The decoder layers' loop in C++ (decoder_loop.cpp): one call runs a step through every Llama-family layer with
-the kernels beside it (the linears' bf16 or AMX tiles or int4 / fp8 / int8 kernels, fused norms and rotary, the
+the kernels beside it (the linears' bf16 or AMX tiles and oneDNN's packed matmul, or int4 / fp8 / int8 kernels, fused norms and rotary, the
 KV store, paged attention), bit-identical to calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
 
 from __future__ import annotations
@@ -17,6 +17,17 @@ def linear(tiles: torch.Tensor, bias: torch.Tensor | None):
 def amx_linear(packed: torch.Tensor, bias: torch.Tensor | None):
     """A layer's linear on an AMX host: its weight in amx_linear.py's tiles, its float32 bias or None."""
     return extension().LoopLinear.amx(packed, bias)
+
+
+def packed_linear(onednn_weight: torch.Tensor, bias: torch.Tensor | None, tiles, tile_rows: int):
+    """A PackedLinear: up to `tile_rows` rows through `tiles` (a `linear` or `amx_linear` above, or None), more
+    through oneDNN's matmul on its packed weight (bias in the model's dtype, or None)."""
+    return extension().LoopLinear.packed(onednn_weight, bias, tiles, int(tile_rows))
+
+
+def onednn_rows(rows: int) -> int:
+    """The rows the loop gives oneDNN's matmul for a step of `rows` (packed_linear.py's bucket_rows)."""
+    return extension().onednn_rows(int(rows))
 
 
 def int4_linear(packed, scales, mins, group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None):

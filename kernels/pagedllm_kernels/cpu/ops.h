@@ -40,5 +40,7 @@ torch::Tensor fp8_round_input(torch::Tensor x, double static_scale, bool per_tok
 // int8_linear.cpp: W8A8, x quantized per row inside; weights in int8_linear.py's layout.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor wsum,
                           std::optional<torch::Tensor> bias);
+// decoder_loop.cpp: packed_linear.py's bucket_rows, the rows oneDNN's matmul is given for `rows`.
+int64_t onednn_rows(int64_t rows);
 // amx_linear.cpp
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias);

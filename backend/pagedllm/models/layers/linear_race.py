@@ -10,9 +10,9 @@ kernel runs without a race against oneDNN; above, each row count of `RACE_ROWS` 
 linears in order, each its own weight, `RACE_BYTES` of them so they stream from memory as in a forward pass (one
 layer's, hot in cache, favoured ours at every count on Zen 5), best of a few calls, both paths in turn. Our kernel
 keeps the rows up to the last count it won with no loss below it; oneDNN takes every batch above that. A loss is
-timed again, both paths in turn, before it stands: the limit also decides which steps the C++ decoder loop takes
-(decoder_loop.py), so a moment's noise on the host at 32 or 64 rows (where ours led by 7-15%) had cost a
-64-sequence decode step ~15% (125M, Zen 5: 2 of ~15 loads in one session).
+timed again, both paths in turn, before it stands: a moment's noise on the host at 32 or 64 rows (where ours led
+by 7-15%) had cost a 64-sequence decode step ~15% (125M, Zen 5: 2 of ~15 loads in one session), because until
+session 30 the limit also decided which steps the C++ decoder loop took (decoder_loop.py; it now takes them all).
 """
 
 from __future__ import annotations
