@@ -2,8 +2,8 @@
 session 24). For each length, one prompt of that many tokens (or --prompts of them in one call), one output
 token, each engine kept loaded in its own process (throughput.py's workers: vLLM with its CPU documentation's
 setup), the engines taking turns round by round (ABBA), --repeats calls a round after a warm-up; the median ms
-per call and each engine's ratio to the last one named (the baseline). Engines as throughput.py takes them: `pagedllm`, `vllm`,
-or a variant `pagedllm:ARG=VALUE` (say `cpu_decoder_loop=false`).
+per call and each engine's ratio to the last one named (the baseline). Engines as throughput.py takes them:
+`pagedllm`, `vllm`, or a variant `pagedllm:ARG=VALUE` (say `cpu_decoder_loop=false`).
 
     python perf/prefill.py [--size 125m] [--lengths 64,128,256,512] [--prompts 1] [--engines pagedllm,vllm]
                            [--rounds 4] [--repeats 10] [--quick]
@@ -47,7 +47,8 @@ def main() -> None:
         baseline = workers[-1].engine
         for engine, value in ms.items():
             emit({"model": args.size, "prompt_tokens": length, "prompts": args.prompts, "engine": engine,
-                  "median_ms": round(value, 2), "baseline": baseline, "ratio_to_baseline": round(value / ms[baseline], 3)})
+                  "median_ms": round(value, 2), "baseline": baseline,
+                  "ratio_to_baseline": round(value / ms[baseline], 3)})
     for w in workers:
         w.close()
 

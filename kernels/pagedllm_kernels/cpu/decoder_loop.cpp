@@ -28,7 +28,8 @@ namespace {
 
 // packed_linear.py's packed_matmul: the rows padded to their bucket through the op PackedLinear calls, the padding
 // dropped. Called boxed: the op is registered by torch, its C++ signature is not in its headers.
-torch::Tensor onednn_matmul(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& bias) {
+torch::Tensor onednn_matmul(const torch::Tensor& x, const torch::Tensor& weight,
+                            const std::optional<torch::Tensor>& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0), bucket = onednn_rows(rows);

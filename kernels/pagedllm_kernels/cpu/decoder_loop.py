@@ -1,6 +1,7 @@
 """The decoder layers' loop in C++ (decoder_loop.cpp): one call runs a step through every Llama-family layer with
-the kernels beside it (the linears' bf16 or AMX tiles and oneDNN's packed matmul, or int4 / fp8 / int8 kernels, fused norms and rotary, the
-KV store, paged attention), bit-identical to calling them one by one. backend/pagedllm/models/decoder_loop.py decides where it applies."""
+the kernels beside it (the linears' bf16 or AMX tiles and oneDNN's packed matmul, or int4 / fp8 / int8 kernels,
+fused norms and rotary, the KV store, paged attention), bit-identical to calling them one by one.
+backend/pagedllm/models/decoder_loop.py decides where it applies."""
 
 from __future__ import annotations
 
