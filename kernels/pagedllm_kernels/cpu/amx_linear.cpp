@@ -10,14 +10,17 @@
 #include "ops.h"
 #include "simd.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kRowBlock = 256;  // rows per pass over the weight
-// On the first row pair of a pass the weight comes from memory: request it this many K steps (2 KB each)
-// ahead into L2 (measured best of 4-64 steps, T0 or T1: 16 steps into L2 brought the decode-sized layers of
-// the 125M model to 17-21 GB/s, from 14-15 with oneDNN's packed path).
+// A thread's first pass requests its weight this many K steps (2 KB each) ahead into L2 (measured best of
+// 4-64 steps, T0 or T1: 16 steps into L2 brought the decode-sized layers of the 125M model to 17-21 GB/s, from
+// 14-15 with oneDNN's packed path); its later passes request the next panel pair (below).
 constexpr int64_t kPrefetchSteps = 16;
 
 // Tiles: C00, C01, C10, C11 (fp32 accumulators of rows 0-15 / 16-31 by panel 0 / 1), A0, A1, B0, B1.
@@ -31,9 +34,11 @@ void configure_tiles() {
 }
 
 // Rows [m, m + 32) of x times panel pair `pp` into y (rows >= rows_out are padding and not written).
+// Each step s also requests lines [s * lines_per_step, (s + 1) * lines_per_step) of `ahead` (those below
+// ahead_lines) into L2: the weight the next passes read, so memory streams while the tiles multiply.
 void row_pair_times_panel_pair(const at::BFloat16* x, const at::BFloat16* panel, const float* bias,
                                at::BFloat16* y, int64_t m, int64_t pp, int64_t K, int64_t N, int64_t rows_out,
-                               bool prefetch) {
+                               const char* ahead, int64_t ahead_lines, int64_t lines_per_step) {
   const int64_t steps = K / 32, x_stride = K * 2;
   _tile_zero(0);
   _tile_zero(1);
@@ -41,10 +46,8 @@ void row_pair_times_panel_pair(const at::BFloat16* x, const at::BFloat16* panel,
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
     const at::BFloat16* b = panel + s * 1024;  // two 16 x 32 tiles
-    if (prefetch) {  // past the panel pair's end this runs into the next ones, which come next anyway
-      const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSteps * 1024);
-      for (int off = 0; off < 2048; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
-    }
+    for (int64_t l = s * lines_per_step; l < std::min((s + 1) * lines_per_step, ahead_lines); ++l)
+      _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
     _tile_loadd(6, b, 64);
     _tile_loadd(7, b + 512, 64);
     _tile_loadd(4, x + m * K + s * 32, x_stride);
@@ -98,15 +101,35 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<to
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t pairs = N / 32, panel_elems = K * 32;
+  const int64_t steps = K / 32, panel_lines = steps * 32;  // a panel pair: 2 KB (32 lines) a step
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     configure_tiles();
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = pairs * t / threads, hi = pairs * (t + 1) / threads;  // this thread's panel pairs
+    const char* w = reinterpret_cast<const char*>(wp);
+    const int64_t panel_bytes = panel_elems * static_cast<int64_t>(sizeof(at::BFloat16));
     for (int64_t r0 = 0; r0 < padded; r0 += kRowBlock) {
-      const int64_t r1 = std::min(r0 + kRowBlock, padded);
-#pragma omp for schedule(static)
-      for (int64_t pp = 0; pp < pairs; ++pp)
-        for (int64_t m = r0; m < r1; m += 32)
-          row_pair_times_panel_pair(xp, wp + pp * panel_elems, bp, yp, m, pp, K, N, M, m == r0);
+      const int64_t r1 = std::min(r0 + kRowBlock, padded), passes = (r1 - r0) / 32;
+      for (int64_t pp = lo; pp < hi; ++pp)
+        for (int64_t m = r0; m < r1; m += 32) {
+          const int64_t pass = (m - r0) / 32;
+          // Each pass requests a 1/passes share of the thread's next panel pair, so the weight streams from
+          // memory through every pass over this one, not through the first alone (which left the tile unit
+          // waiting on memory there and memory idle after). The thread's first pass has nothing requested
+          // for it: it requests the rest of its own panel pair from kPrefetchSteps steps ahead, and the next
+          // one whole. The 125M model's decode-step linears streamed from memory on the Intel AMX host ran
+          // 1.02-1.03x as fast so as with the first pass alone prefetching at 1-32 rows, 1.08x at 64, 1.12x at
+          // 128, 1.10x at 256 (perf/README.md, session 31).
+          const bool cold = pp == lo && pass == 0;
+          const int64_t skip = std::min(kPrefetchSteps, steps) * 32;  // lines the cold pass leaves to demand
+          const char* ahead = cold ? w + pp * panel_bytes + skip * 64
+                                   : w + (pp + 1) * panel_bytes + pass * (panel_lines / passes) * 64;
+          const int64_t ahead_lines = cold ? (pp + 1 < hi ? 2 : 1) * panel_lines - skip
+                                           : pp + 1 < hi ? panel_lines / passes : 0;
+          const int64_t per_step = (ahead_lines + steps - 1) / steps;
+          row_pair_times_panel_pair(xp, wp + pp * panel_elems, bp, yp, m, pp, K, N, M, ahead, ahead_lines, per_step);
+        }
     }
     _tile_release();
   }
