@@ -97,6 +97,24 @@ def test_bf16_linear_against_another_source(tmp_path):
     assert records[0]["ours_ms"] > 0 and records[0]["other_ms"] > 0 and records[0]["speed_ratio_ours_over_other"] > 0
 
 
+def test_bf16_linear_amx_against_another_source(tmp_path):
+    """--kernel amx: our AMX kernel against another build of amx_linear.cpp (the same source: both run and
+    report, at one pass and at two passes over each panel pair); against oneDNN it has no prefetch switch."""
+    from pagedllm_kernels.cpu import amx_linear
+
+    supported, why = amx_linear.amx_supported()
+    if not supported:
+        pytest.skip(why)
+    source = Path(amx_linear.__file__).with_name("amx_linear.cpp")
+    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
+    records = run("bf16_linear.py", "--kernel", "amx", "--rows", "8,64", "--passes", "1",
+                  "--against", str(tmp_path / "other.cpp"))
+    assert [r["rows"] for r in records] == [8, 64]
+    assert all(r["ours_ms"] > 0 and r["other_ms"] > 0 and r["speed_ratio_ours_over_other"] > 0 for r in records)
+    (plain,) = run("bf16_linear.py", "--kernel", "amx", "--rows", "8", "--passes", "1")
+    assert plain["onednn_ms"] > 0 and "ours_no_prefetch_ms" not in plain
+
+
 @needs_kernels
 def test_quantized_linear_streams_against_bf16():
     records = run("quantized_linear.py", "--stream", "--rows", "1,9", "--passes", "1")
