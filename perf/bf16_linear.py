@@ -91,7 +91,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             paths = {"ours": (ours, kernel.linear), other_name: (others, other_linear)}
             if not args.against and kernel.PREFETCH_SWITCH:  # without its software prefetch (the race's other choice)
-                paths["ours_no_prefetch"] = (ours, lambda x, w: bf16_tiles.linear(x, w, prefetch=False))
+                paths["ours_no_prefetch"] = (ours, lambda x, w: kernel.linear(x, w, prefetch=False))
             for weights, fn in paths.values():  # warm-up (oneDNN builds its primitive for this shape)
                 one_pass(rows, shapes, weights, fn)
             times = {name: [] for name in paths}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import pagedllm_kernels.cpu as cpu_kernels
 from pagedllm_kernels.cpu.build import cpu_supported
 
 PERF = Path(__file__).resolve().parents[2] / "perf"
@@ -69,6 +70,14 @@ def test_tensor_parallel_traffic_matches_theory():
     assert tput["identical_sequences"] == "8/8"
 
 
+def another_build(tmp_path, source_name: str) -> str:
+    """A copy of one of our C++ CPU kernel sources, a comment appended, so --against builds it as an extension of
+    its own: the same code, so the check is that both builds run and report."""
+    other = tmp_path / "other.cpp"
+    other.write_text((Path(cpu_kernels.__file__).parent / source_name).read_text() + "\n// another build\n")
+    return str(other)
+
+
 def test_bf16_linear_compares_both_paths():
     from pagedllm_kernels.cpu import bf16_tiles
 
@@ -89,10 +98,8 @@ def test_bf16_linear_against_another_source(tmp_path):
     supported, why = bf16_tiles.cpu_supported()
     if not supported:
         pytest.skip(why)
-    source = Path(bf16_tiles.__file__).with_name("quantized_linear.cpp")
-    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
     records = run("bf16_linear.py", "--rows", "8", "--passes", "1", "--model", "0.5b",
-                  "--against", str(tmp_path / "other.cpp"))
+                  "--against", another_build(tmp_path, "quantized_linear.cpp"))
     assert [(r["model"], r["rows"]) for r in records] == [("0.5b", 8)]
     assert records[0]["ours_ms"] > 0 and records[0]["other_ms"] > 0 and records[0]["speed_ratio_ours_over_other"] > 0
 
@@ -105,10 +112,8 @@ def test_bf16_linear_amx_against_another_source(tmp_path):
     supported, why = amx_linear.amx_supported()
     if not supported:
         pytest.skip(why)
-    source = Path(amx_linear.__file__).with_name("amx_linear.cpp")
-    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
     records = run("bf16_linear.py", "--kernel", "amx", "--rows", "8,64", "--passes", "1",
-                  "--against", str(tmp_path / "other.cpp"))
+                  "--against", another_build(tmp_path, "amx_linear.cpp"))
     assert [r["rows"] for r in records] == [8, 64]
     assert all(r["ours_ms"] > 0 and r["other_ms"] > 0 and r["speed_ratio_ours_over_other"] > 0 for r in records)
     (plain,) = run("bf16_linear.py", "--kernel", "amx", "--rows", "8", "--passes", "1")
@@ -128,10 +133,8 @@ def test_quantized_linear_streams_against_bf16():
 def test_quantized_linear_streams_against_another_source(tmp_path):
     """--stream --against builds the given quantized_linear.cpp's int4 and fp8 linears (one build) and alternates
     them with ours (here: the same source, so the check is that all four run and report)."""
-    source = PERF.parent / "kernels" / "pagedllm_kernels" / "cpu" / "quantized_linear.cpp"
-    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
     (record,) = run("quantized_linear.py", "--stream", "--rows", "8", "--passes", "1", "--model", "0.5b",
-                    "--against", str(tmp_path / "other.cpp"))
+                    "--against", another_build(tmp_path, "quantized_linear.cpp"))
     assert (record["model"], record["rows"]) == ("0.5b", 8)
     assert min(record[f"{p}_ms"] for p in ("int4", "fp8", "other_int4", "other_fp8")) > 0
     assert "bf16_ms" not in record and record["speed_ratio_int4_over_other_int4"] > 0
@@ -159,11 +162,8 @@ def test_avx2_kernels_compare_both_paths():
 def test_decode_attention_against_another_source(tmp_path):
     """--against builds the given paged_attention.cpp beside ours (perf/common.build_kernel_source, declared by
     ops.h) and alternates the two: here the same source, so both run and report."""
-    from pagedllm_kernels.cpu import build
-
-    source = Path(build.__file__).with_name("paged_attention.cpp")
-    (tmp_path / "other.cpp").write_text(source.read_text() + "\n// another build\n")
-    records = run("decode_attention.py", "--shapes", "2x40", "--passes", "1", "--against", str(tmp_path / "other.cpp"))
+    records = run("decode_attention.py", "--shapes", "2x40", "--passes", "1",
+                  "--against", another_build(tmp_path, "paged_attention.cpp"))
     assert [(r["rows"], r["max_context"]) for r in records[1:]] == [(2, 40)]
     assert records[1]["ours_ms"] > 0 and records[1]["other_ms"] > 0
 

@@ -119,8 +119,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<to
           // waiting on memory there and memory idle after). The thread's first pass has nothing requested
           // for it: it requests the rest of its own panel pair from kPrefetchSteps steps ahead, and the next
           // one whole. The 125M model's decode-step linears streamed from memory on the Intel AMX host ran
-          // 1.02-1.03x as fast so as with the first pass alone prefetching at 1-32 rows, 1.08x at 64, 1.12x at
-          // 128, 1.10x at 256 (perf/README.md, session 31).
+          // 1.02-1.03x as fast this way as with the first pass alone prefetching at 1-32 rows, 1.08x at 64, 1.12x
+          // at 128, 1.10x at 256 (perf/README.md, session 31).
           const bool cold = pp == lo && pass == 0;
           const int64_t skip = std::min(kPrefetchSteps, steps) * 32;  // lines the cold pass leaves to demand
           const char* ahead = cold ? w + pp * panel_bytes + skip * 64
@@ -128,7 +128,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, std::optional<to
           const int64_t ahead_lines = cold ? (pp + 1 < hi ? 2 : 1) * panel_lines - skip
                                            : pp + 1 < hi ? panel_lines / passes : 0;
           const int64_t per_step = (ahead_lines + steps - 1) / steps;
-          row_pair_times_panel_pair(xp, wp + pp * panel_elems, bp, yp, m, pp, K, N, M, ahead, ahead_lines, per_step);
+          row_pair_times_panel_pair(xp, wp + pp * panel_elems, bp, yp, m, pp, K, N, M, ahead, ahead_lines,
+                                    per_step);
         }
     }
     _tile_release();
