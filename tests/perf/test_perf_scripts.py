@@ -169,6 +169,26 @@ def test_decode_attention_against_another_source(tmp_path):
 
 
 @needs_kernels
+def test_prompt_attention_against_another_version(tmp_path):
+    """--against takes a directory holding another version of the kernels' sources, built against its own
+    headers: here a copy of ours, so both run, report and agree exactly, on both query-head groupings."""
+    other = tmp_path / "cpu"
+    other.mkdir()
+    for source in Path(cpu_kernels.__file__).parent.iterdir():
+        if source.suffix in (".cpp", ".h"):
+            (other / source.name).write_text(source.read_text() + "\n// another build\n")
+    records = run("prompt_attention.py", "--shapes", "12/4x40,14/2x33", "--passes", "1", "--against", str(other))
+    assert [(r["heads"], r["kv_heads"], r["tokens"]) for r in records] == [(12, 4, 40), (14, 2, 33)]
+    assert all(r["ours_ms"] > 0 and r["other_ms"] > 0 and r["max_abs_diff"] == 0 for r in records)
+
+
+@needs_kernels
+def test_prompt_attention_on_cold_caches():
+    (record,) = run("prompt_attention.py", "--shapes", "12/4x70", "--prompts", "3", "--passes", "1", "--cold")
+    assert record["cold"] and record["prompts"] == 3 and record["ours_tflop_per_s"] > 0
+
+
+@needs_kernels
 def test_decode_attention_reports_bandwidth():
     records = run("decode_attention.py", "--shapes", "2x40,3x100", "--passes", "1")
     assert records[0]["bench"] == "read_bandwidth" and records[0]["gb_per_s"] > 0

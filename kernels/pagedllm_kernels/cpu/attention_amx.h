@@ -7,7 +7,9 @@
 //   out += P V:    its V run is [block_size / 2][head_dim][2], the B operand's layout for pairs of positions by
 //            dims, up to 32 positions at a time.
 // Between them the AVX-512 path's online softmax (attention_common.h), over spans of up to 128 positions (2-8
-// blocks), so its rescaling and the accumulators' round trip through the tiles come once per span.
+// blocks), so its rescaling and the accumulators' round trip through the tiles come once per span. A span is
+// taken a row tile at a time (scores, softmax, values), which keeps its scratch (scores and weights of 16 slots)
+// in L1 beside the span's K and V runs.
 #pragma once
 
 #include <torch/extension.h>
@@ -31,7 +33,7 @@ using Bf16 = at::BFloat16;
 
 constexpr int kMaxSlots = 64;  // query vectors per item: 4 row tiles
 // Positions per online-softmax step: 128 took 0.91-0.95x the time of 64 (a 1,500-token prompt; its per-slot
-// overheads come half as often), with scores, weights and values' copies on the stack of 80-160 KiB an item.
+// overheads come half as often).
 constexpr int kSpan = 128;
 using attention::kMaxBlock;
 
@@ -40,9 +42,9 @@ inline bool block_size_supported(int64_t block_size) {
   return block_size == 16 || block_size == 32 || block_size == 64;
 }
 
-// Tiles 0-3: fp32 accumulators (a row tile's scores for 16 positions, or its outputs for 16 dims); 4: Q (16 slots
-// by 32 dims); 5: K (16 pairs of dims by 16 positions); 6: P (16 slots by kc positions); 7: V (kc / 2 pairs of
-// positions by 16 dims); kc = min(block_size, 32). Loaded by each thread before its first item.
+// Tiles 0-3: fp32 accumulators (a row tile's scores for 16 positions each, or its outputs for 16 dims); 4: Q
+// (16 slots by 32 dims); 5: K (16 pairs of dims by 16 positions); 6: P (16 slots by kc positions); 7: V (kc / 2
+// pairs of positions by 16 dims); kc = min(block_size, 32). Loaded by each thread before its first item.
 inline void configure_tiles(int64_t block_size) {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) {
@@ -124,19 +126,18 @@ void attend_tile(const Item& it, const Operands<C>& o) {
   const int64_t kc = std::min<int64_t>(bs, 32), span_len = (kSpan / bs) * bs;
   alignas(64) Bf16 qs[S][D];          // slot s = token * group + g: query head k0 * group + g of token t0 + token
   alignas(64) float acc[S][D];        // unnormalised outputs
-  alignas(64) float scores[S][kSpan];
-  alignas(64) Bf16 probs[S][kSpan];
+  alignas(64) float scores[16][kSpan];  // one row tile's
+  alignas(64) Bf16 probs[16][kSpan];
   alignas(64) float denom[S][16];
-  alignas(64) Bf16 wide_k[std::is_same_v<C, Bf16> ? 1 : kMaxBlock * D];  // an fp8 block's K as bf16
+  alignas(64) Bf16 wide_k[std::is_same_v<C, Bf16> ? 1 : kSpan * D];  // an fp8 span's K as bf16
   alignas(64) Bf16 clean_v[kSpan * D];  // the span's edge blocks' V (and every fp8 block's), cleaned
   float running_max[S];
   int64_t first[S], len[S];  // each slot's live positions [first, len)
   for (int64_t i = 0; i < tokens; ++i)
     std::memcpy(qs[i * group], o.q + (o.query_start[it.row] + it.t0 + i) * o.q_stride + it.k0 * group * D,
                 group * D * sizeof(Bf16));
-  // Padding slots: zero queries and probabilities, so their accumulators (never written out) stay finite.
+  // Padding slots: zero queries (and weights, below), so their accumulators (never written out) stay finite.
   std::memset(qs[slots], 0, (S - slots) * D * sizeof(Bf16));
-  std::memset(probs, 0, sizeof probs);
   std::memset(acc, 0, sizeof acc);
   std::memset(denom, 0, sizeof denom);
   for (int64_t s = 0; s < slots; ++s) {
@@ -154,49 +155,32 @@ void attend_tile(const Item& it, const Operands<C>& o) {
     const int64_t a = std::max(span, lo) - span, b = std::min(span + span_len, hi) - span;
     const int64_t c_lo = a - a % 16, c_hi = (b + 15) / 16 * 16;
     // Blocks are scattered: request the next span's K and V runs while this one computes (a decode's item is
-    // bound by memory: decode attention at 7 query heads per KV head took 0.86-0.93x the time with this as without).
-    for (int64_t next = span + span_len; next < std::min(span + 2 * span_len, hi); next += bs) {
-      const char* kn = reinterpret_cast<const char*>(run_of(o.k_cache, next));
-      const char* vn = reinterpret_cast<const char*>(run_of(o.v_cache, next));
-      for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(C)); off += 64) {
-        _mm_prefetch(kn + off, _MM_HINT_T0);
-        _mm_prefetch(vn + off, _MM_HINT_T0);
-      }
-    }
-    // Scores, 16 positions at a time: every row tile against 32 dims of K per step.
-    int64_t widened = -1;  // the block wide_k holds
-    for (int64_t c = c_lo; c < c_hi; c += 16) {
-      const int64_t in_block = (span + c) % bs;
-      const Bf16* kb;
-      if constexpr (std::is_same_v<C, Bf16>) {
-        kb = run_of(o.k_cache, span + c);
-      } else {
-        if (widened != (span + c) / bs) {
-          attention::widen_run(run_of(o.k_cache, span + c), wide_k, run);
-          widened = (span + c) / bs;
+    // bound by memory: decode attention at 7 query heads per KV head took 0.86-0.93x the time with this as
+    // without). Only for a decode, or the first of a prompt's tiles to run (plan_items orders them last first):
+    // the later tiles find the runs in L2, and their requests cost more than they saved (a 1,024-token prompt's
+    // attention took 0.94x the time without them; prompts on cold caches 0.97x).
+    if (tokens == 1 || it.t1 == n) {
+      for (int64_t next = span + span_len; next < std::min(span + 2 * span_len, hi); next += bs) {
+        const char* kn = reinterpret_cast<const char*>(run_of(o.k_cache, next));
+        const char* vn = reinterpret_cast<const char*>(run_of(o.v_cache, next));
+        for (int64_t off = 0; off < run * static_cast<int64_t>(sizeof(C)); off += 64) {
+          _mm_prefetch(kn + off, _MM_HINT_T0);
+          _mm_prefetch(vn + off, _MM_HINT_T0);
         }
-        kb = wide_k;
       }
-      unrolled<R>([&]<int m>() { zero_acc<m>(); });
-      for (int64_t dc = 0; dc < D / 32; ++dc) {
-        _tile_loadd(5, kb + (dc * 16 * bs + in_block) * 2, bs * 2 * sizeof(Bf16));
-        unrolled<R>([&]<int m>() {
-          _tile_loadd(4, qs[16 * m] + dc * 32, D * sizeof(Bf16));
-          add_scores<m>();
-        });
-      }
-      unrolled<R>([&]<int m>() { store_acc<m>(scores[16 * m] + c, kSpan * sizeof(float)); });
     }
-    for (int64_t s = 0; s < slots; ++s)
-      attention::online_softmax_step<Bf16, CH>(scores[s], probs[s], c_lo, b, std::max(a, first[s] - span),
-                                               std::min(b, len[s] - span), o.score_scale, running_max[s],
-                                               denom[s], acc[s]);
+    // The span's K runs: in place (bf16), or widened to bf16 once for all the row tiles (fp8).
+    const Bf16* kb[kSpan / 16];
+    for (int64_t blk = c_lo / bs; blk * bs < c_hi; ++blk) {
+      if constexpr (std::is_same_v<C, Bf16>) {
+        kb[blk] = run_of(o.k_cache, span + blk * bs);
+      } else {
+        attention::widen_run(run_of(o.k_cache, span + blk * bs), wide_k + blk * run, run);
+        kb[blk] = wide_k + blk * run;
+      }
+    }
     // The values read whole kc-position chunks: their positions outside [c_lo, c_hi) get probability 0 too.
     const int64_t k_lo = a - a % kc, k_hi = (b + kc - 1) / kc * kc;
-    for (int64_t s = 0; s < slots; ++s) {
-      std::fill(probs[s] + k_lo, probs[s] + c_lo, Bf16(0.0f));
-      std::fill(probs[s] + c_hi, probs[s] + k_hi, Bf16(0.0f));
-    }
     // The span's V runs: in place where every position of a chunk read is live, else a cleaned copy.
     const Bf16* vb[kSpan / 16];
     for (int64_t blk = a / bs; blk * bs < b; ++blk) {
@@ -209,22 +193,49 @@ void attend_tile(const Item& it, const Operands<C>& o) {
         vb[blk] = clean_v + blk * run;
       }
     }
-    // out += P V, 16 slots by up to 64 dims (4 accumulator tiles) at a time.
-    auto values = [&]<int m, int ND>(int64_t d0) {
-      unrolled<ND>([&]<int j>() { load_acc<j>(acc[16 * m] + d0 + 16 * j, D * sizeof(float)); });
-      for (int64_t p = k_lo; p < k_hi; p += kc) {
-        _tile_loadd(6, probs[16 * m] + p, kSpan * sizeof(Bf16));
-        const Bf16* v = vb[p / bs] + ((p % bs) / 2) * D * 2;
-        unrolled<ND>([&]<int j>() {
-          _tile_loadd(7, v + (d0 + 16 * j) * 2, D * 2 * sizeof(Bf16));
-          add_values<j>();
-        });
-      }
-      unrolled<ND>([&]<int j>() { store_acc<j>(acc[16 * m] + d0 + 16 * j, D * sizeof(float)); });
-    };
+    // Row tile by row tile: its scores, softmax, and out += P V.
     unrolled<R>([&]<int m>() {
-      for (int64_t d0 = 0; d0 + 64 <= D; d0 += 64) values.template operator()<m, 4>(d0);
-      if constexpr (D % 64 != 0) values.template operator()<m, 2>(D - 32);
+      const int64_t s0 = 16 * m, s1 = std::min<int64_t>(slots, s0 + 16);
+      // Scores, up to 4 chunks of 16 positions (accumulator tiles 0-3) at a time, 32 dims of K per step.
+      for (int64_t c = c_lo; c < c_hi; c += 64) {
+        const int64_t nc = std::min<int64_t>(4, (c_hi - c) / 16);
+        unrolled<4>([&]<int j>() { if (j < nc) zero_acc<j>(); });
+        for (int64_t dc = 0; dc < D / 32; ++dc) {
+          _tile_loadd(4, qs[s0] + dc * 32, D * sizeof(Bf16));
+          unrolled<4>([&]<int j>() {
+            if (j < nc) {
+              const int64_t pos = c + 16 * j;
+              _tile_loadd(5, kb[pos / bs] + (dc * 16 * bs + pos % bs) * 2, bs * 2 * sizeof(Bf16));
+              add_scores<j>();
+            }
+          });
+        }
+        unrolled<4>([&]<int j>() { if (j < nc) store_acc<j>(scores[0] + c + 16 * j, kSpan * sizeof(float)); });
+      }
+      for (int64_t s = s0; s < s1; ++s) {
+        attention::online_softmax_step<Bf16, CH>(scores[s - s0], probs[s - s0], c_lo, b,
+                                                 std::max(a, first[s] - span), std::min(b, len[s] - span),
+                                                 o.score_scale, running_max[s], denom[s], acc[s]);
+        std::fill(probs[s - s0] + k_lo, probs[s - s0] + c_lo, Bf16(0.0f));
+        std::fill(probs[s - s0] + c_hi, probs[s - s0] + k_hi, Bf16(0.0f));
+      }
+      // A last tile's padding slots: weights 0, so their accumulators (never written out) stay finite.
+      for (int64_t s = s1; s < s0 + 16; ++s) std::fill(probs[s - s0] + k_lo, probs[s - s0] + k_hi, Bf16(0.0f));
+      // out += P V, up to 64 dims (4 accumulator tiles) at a time.
+      auto values = [&]<int ND>(int64_t d0) {
+        unrolled<ND>([&]<int j>() { load_acc<j>(acc[s0] + d0 + 16 * j, D * sizeof(float)); });
+        for (int64_t p = k_lo; p < k_hi; p += kc) {
+          _tile_loadd(6, probs[0] + p, kSpan * sizeof(Bf16));
+          const Bf16* v = vb[p / bs] + ((p % bs) / 2) * D * 2;
+          unrolled<ND>([&]<int j>() {
+            _tile_loadd(7, v + (d0 + 16 * j) * 2, D * 2 * sizeof(Bf16));
+            add_values<j>();
+          });
+        }
+        unrolled<ND>([&]<int j>() { store_acc<j>(acc[s0] + d0 + 16 * j, D * sizeof(float)); });
+      };
+      for (int64_t d0 = 0; d0 + 64 <= D; d0 += 64) values.template operator()<4>(d0);
+      if constexpr (D % 64 != 0) values.template operator()<2>(D - 32);
     });
   }
   for (int64_t s = 0; s < slots; ++s) {

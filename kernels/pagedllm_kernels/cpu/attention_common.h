@@ -67,8 +67,8 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
     for (int c = 0; c < CH; ++c) _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), rescale));
     running_max = block_max;
   }
-  // exp(s * scale - max) as 2^(s * scale * log2(e) - max * log2(e)): one FMA before the polynomial, of degree 4
-  // where the weights are rounded to bf16 next (simd.h).
+  // exp(s * scale - max) as 2^(s * scale * log2(e) - max * log2(e)): one FMA before the polynomial, the coarse
+  // one where the weights are rounded to bf16 next (simd.h).
   constexpr float kLog2e = 1.4426950408889634f;
   const __m512 k = _mm512_set1_ps(scale * kLog2e), m = _mm512_set1_ps(running_max * kLog2e);
   __m512 sum = _mm512_load_ps(denom);
@@ -76,30 +76,27 @@ inline void online_softmax_step(const float* scores, T* probs, int64_t c0, int64
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t c = c0; c < b; c += 16) {
       const __m512 t = _mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m);
-      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<6>(t));
+      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16(t));
       _mm512_store_ps(probs + c, p);
       sum = _mm512_add_ps(sum, p);
     }
   } else {
-    // Rounded to bf16 first, so the denominator sums exactly the weights the values get: pairs of them by a bf16
-    // dot product with ones (exact products, fp32 sums), two chunks at a time.
+    // Rounded to bf16 first, so the denominator sums exactly the weights the values get: two chunks' weights
+    // packed into one vector, summed in pairs by a bf16 dot product with ones (exact products, fp32 sums).
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-    auto sum_pairs = [&](__m256i lo, __m256i hi) {
-      return _mm512_dpbf16_ps(sum, (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), ones);
-    };
-    __m256i pending = _mm256_setzero_si256();
-    bool have = false;
-    for (int64_t c = c0; c < b; c += 16) {
-      // Live lanes' exponents are finite and <= 0 (no clamp needed: below -126 the weight underflows to 0).
-      const __m512 t = _mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m);
-      const __m512 p = _mm512_maskz_mov_ps(live(c), pagedllm::exp2_16<4, false>(t));
-      const __m256i h = pagedllm::to_bf16(p);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(probs + c), h);
-      if (have) sum = sum_pairs(pending, h);
-      pending = h;
-      have = !have;
+    for (int64_t c = c0; c < b; c += 32) {
+      const __m512 p0 = pagedllm::exp2_16_coarse(live(c), _mm512_fmsub_ps(_mm512_load_ps(scores + c), k, m));
+      const bool two = c + 16 < b;
+      const __m512 p1 =
+          two ? pagedllm::exp2_16_coarse(live(c + 16), _mm512_fmsub_ps(_mm512_load_ps(scores + c + 16), k, m))
+              : _mm512_setzero_ps();
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0's weights in the low half
+      if (two)
+        _mm512_storeu_si512(probs + c, h);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), _mm512_castsi512_si256(h));
+      sum = _mm512_dpbf16_ps(sum, (__m512bh)h, ones);
     }
-    if (have) sum = sum_pairs(pending, _mm256_setzero_si256());
   }
   _mm512_store_ps(denom, sum);
 }

@@ -30,10 +30,11 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(os.path.abspath(__file__))
 # avx512vbmi: byte shuffles widen an fp8 cache's e4m3 codes (simd.h); every CPU with AVX512-BF16 has it but
 # Cooper Lake, which runs the avx2 kernels instead.
-_NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
+# avx512dq: vreduceps in the attention softmax's exp (simd.h); every CPU with AVX512-BF16 has it.
+_NEEDED_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni", "-mfma",
-           "-mamx-tile", "-mamx-bf16", "-fopenmp"]
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
+           "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _AVX2_NEEDED_FLAGS = ("avx2", "fma", "f16c")
 _AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
