@@ -156,10 +156,10 @@ void attend_tile(const Item& it, const Operands<C>& o) {
     const int64_t c_lo = a - a % 16, c_hi = (b + 15) / 16 * 16;
     // Blocks are scattered: request the next span's K and V runs while this one computes (a decode's item is
     // bound by memory: decode attention at 7 query heads per KV head took 0.86-0.93x the time with this as
-    // without). Only for a decode, or the first of a prompt's tiles to run (plan_items orders them last first):
-    // the later tiles find the runs in L2, and their requests cost more than they saved (a 1,024-token prompt's
-    // attention took 0.94x the time without them; prompts on cold caches 0.97x).
-    if (tokens == 1 || it.t1 == n) {
+    // without). Only for a row's last tile, the first of its tiles to run (plan_items orders them last first; a
+    // decode is its row's only tile): the later tiles find the runs in L2, and their requests cost more than they
+    // saved (a 1,024-token prompt's attention took 0.94x the time without them; prompts on cold caches 0.97x).
+    if (it.t1 == n) {
       for (int64_t next = span + span_len; next < std::min(span + 2 * span_len, hi); next += bs) {
         const char* kn = reinterpret_cast<const char*>(run_of(o.k_cache, next));
         const char* vn = reinterpret_cast<const char*>(run_of(o.v_cache, next));
