@@ -270,8 +270,11 @@ amx_ok, amx_why = amx_linear.amx_supported()
 
 
 @pytest.mark.skipif(not amx_ok, reason=amx_why)
-@pytest.mark.parametrize("rows,in_features,out_features", [(1, 64, 32), (5, 96, 64), (33, 768, 768), (64, 256, 1280),
-                                                            (700, 2048, 64)])  # 700: three passes of 256 rows
+@pytest.mark.parametrize("rows,in_features,out_features", [
+    (1, 64, 32), (5, 96, 64), (33, 768, 768), (64, 256, 1280),
+    (700, 2048, 64),  # three passes over the weight: 8, 8 and 6 row blocks, each in chunks of K
+    (300, 800, 96),  # 8 row blocks in chunks (25 K steps: the last chunk partial), then 2 taking panels whole
+])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_matches_f_linear(rows, in_features, out_features, with_bias):
     x, w = _bf16(rows, in_features, seed=1), _bf16(out_features, in_features, seed=2)
