@@ -74,13 +74,26 @@ struct Linear {
   int64_t rows, K, N;
 };
 
+// One K step: rows [m, m + 32) of x (steps of 32 columns) times the step's two B tiles at b, into C00-C11.
+__attribute__((always_inline)) inline void tile_step(const at::BFloat16* b, const at::BFloat16* x, int64_t m,
+                                                     int64_t K, int64_t s) {
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b + 512, 64);
+  _tile_loadd(4, x + m * K + s * 32, K * 2);
+  _tile_loadd(5, x + (m + 16) * K + s * 32, K * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 // Rows [m, m + 32) of x times panel pair `pp` into y (rows >= rows_out are padding and not written).
 // Each step s also requests lines [s * lines_per_step, (s + 1) * lines_per_step) of `ahead` (those below
 // ahead_lines) into L2: the weight the next passes read, so memory streams while the tiles multiply.
 void row_pair_times_panel_pair(const Linear& a, const at::BFloat16* panel, int64_t m, int64_t pp,
                                const char* ahead, int64_t ahead_lines, int64_t lines_per_step) {
   const at::BFloat16* x = a.x;  // locals, kept in registers across the tile instructions' asm
-  const int64_t K = a.K, steps = K / 32, x_stride = K * 2;
+  const int64_t K = a.K, steps = K / 32;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -89,14 +102,7 @@ void row_pair_times_panel_pair(const Linear& a, const at::BFloat16* panel, int64
     const at::BFloat16* b = panel + s * 1024;  // two 16 x 32 tiles
     for (int64_t l = s * lines_per_step; l < std::min((s + 1) * lines_per_step, ahead_lines); ++l)
       _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + 512, 64);
-    _tile_loadd(4, x + m * K + s * 32, x_stride);
-    _tile_loadd(5, x + (m + 16) * K + s * 32, x_stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    tile_step(b, x, m, K, s);
   }
   alignas(64) Accumulators c;
   _tile_stored(0, c[0], 64);
@@ -137,7 +143,7 @@ void pass_over_whole_panels(const Linear& a, int64_t r0, int64_t blocks, int64_t
 void pass_over_panel_chunks(const Linear& a, int64_t r0, int64_t blocks, int64_t lo, int64_t hi,
                             Accumulators* acc) {
   const at::BFloat16* x = a.x;  // locals, kept in registers across the tile instructions' asm
-  const int64_t K = a.K, steps = K / 32, panel_elems = K * 32, x_stride = K * 2;
+  const int64_t K = a.K, steps = K / 32, panel_elems = K * 32;
   const char* end = reinterpret_cast<const char*>(a.w + hi * panel_elems);  // this thread's weight ends here
   for (int64_t pp = lo; pp < hi; ++pp) {
     const at::BFloat16* panel = a.w + pp * panel_elems;
@@ -164,14 +170,7 @@ void pass_over_panel_chunks(const Linear& a, int64_t r0, int64_t blocks, int64_t
           const int64_t l0 = share_lo + (s - s0) * per_step, l1 = std::min(l0 + per_step, share_hi);
           for (int64_t l = l0; l < l1; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T2);
           const at::BFloat16* bt = panel + s * 1024;  // two 16 x 32 tiles
-          _tile_loadd(6, bt, 64);
-          _tile_loadd(7, bt + 512, 64);
-          _tile_loadd(4, x + m * K + s * 32, x_stride);
-          _tile_loadd(5, x + (m + 16) * K + s * 32, x_stride);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          tile_step(bt, x, m, K, s);
         }
         _tile_stored(0, acc[b][0], 64);
         _tile_stored(1, acc[b][1], 64);
