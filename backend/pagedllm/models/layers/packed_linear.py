@@ -5,8 +5,8 @@
   oneDNN leads from 16 rows, linear_race.py) our kernel runs on a second copy of the weight in its own tiles:
   AVX512-BF16 (bf16_tiles.py, 1.07-1.9x as fast as oneDNN at up to 8 rows) or, on CPUs with AMX, AMX tiles
   (amx_linear.py: the 0.5B shape's linears 1.04-1.14x oneDNN at 1-128 rows, 0.95x at 256-512; 125M's 1.09-1.20x
-  at 256-512 since session 33's chunked passes). The copy
-  doubles the linears' weight bytes (125M: +200 MB): the price of decode streaming the weight at the host's
+  at 256-512 since session 33's chunked passes). The copy doubles the linears' weight bytes (125M: +200 MB):
+  the price of decode streaming the weight at the host's
   bandwidth. (Until session 27 an AMX host kept one copy, in AMX tiles, and unpacked it for oneDNN above 128 rows
   on every call: a 256-row decode's linears took 1.65x as long as on oneDNN's packed weight, and the 0.5B model
   ran 256 sequences at 0.65x vLLM.)
