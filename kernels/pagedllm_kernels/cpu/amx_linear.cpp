@@ -74,6 +74,26 @@ struct Linear {
   int64_t rows, K, N;
 };
 
+// The accumulator tiles C00-C11: cleared, loaded from or stored to c.
+__attribute__((always_inline)) inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+__attribute__((always_inline)) inline void load_accumulators(const Accumulators& c) {
+  _tile_loadd(0, c[0], 64);
+  _tile_loadd(1, c[1], 64);
+  _tile_loadd(2, c[2], 64);
+  _tile_loadd(3, c[3], 64);
+}
+__attribute__((always_inline)) inline void store_accumulators(Accumulators& c) {
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+}
+
 // One K step: rows [m, m + 32) of x (steps of 32 columns) times the step's two B tiles at b, into C00-C11.
 __attribute__((always_inline)) inline void tile_step(const at::BFloat16* b, const at::BFloat16* x, int64_t m,
                                                      int64_t K, int64_t s) {
@@ -94,10 +114,7 @@ void row_pair_times_panel_pair(const Linear& a, const at::BFloat16* panel, int64
                                const char* ahead, int64_t ahead_lines, int64_t lines_per_step) {
   const at::BFloat16* x = a.x;  // locals, kept in registers across the tile instructions' asm
   const int64_t K = a.K, steps = K / 32;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_accumulators();
   for (int64_t s = 0; s < steps; ++s) {
     const at::BFloat16* b = panel + s * 1024;  // two 16 x 32 tiles
     for (int64_t l = s * lines_per_step; l < std::min((s + 1) * lines_per_step, ahead_lines); ++l)
@@ -105,10 +122,7 @@ void row_pair_times_panel_pair(const Linear& a, const at::BFloat16* panel, int64
     tile_step(b, x, m, K, s);
   }
   alignas(64) Accumulators c;
-  _tile_stored(0, c[0], 64);
-  _tile_stored(1, c[1], 64);
-  _tile_stored(2, c[2], 64);
-  _tile_stored(3, c[3], 64);
+  store_accumulators(c);
   store_rows(c, a.bias, a.y, m, pp * 32, a.N, a.rows);
 }
 
@@ -153,17 +167,10 @@ void pass_over_panel_chunks(const Linear& a, int64_t r0, int64_t blocks, int64_t
       const int64_t ahead_lines = std::min(std::max<int64_t>(end - next, 0) / 64, chunk_steps * 32);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = r0 + b * 32;
-        if (s0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-        } else {
-          _tile_loadd(0, acc[b][0], 64);
-          _tile_loadd(1, acc[b][1], 64);
-          _tile_loadd(2, acc[b][2], 64);
-          _tile_loadd(3, acc[b][3], 64);
-        }
+        if (s0 == 0)
+          zero_accumulators();
+        else
+          load_accumulators(acc[b]);
         const int64_t share_lo = ahead_lines * b / blocks, share_hi = ahead_lines * (b + 1) / blocks;
         const int64_t per_step = (share_hi - share_lo + chunk_steps - 1) / chunk_steps;
         for (int64_t s = s0; s < s1; ++s) {
@@ -172,10 +179,7 @@ void pass_over_panel_chunks(const Linear& a, int64_t r0, int64_t blocks, int64_t
           const at::BFloat16* bt = panel + s * 1024;  // two 16 x 32 tiles
           tile_step(bt, x, m, K, s);
         }
-        _tile_stored(0, acc[b][0], 64);
-        _tile_stored(1, acc[b][1], 64);
-        _tile_stored(2, acc[b][2], 64);
-        _tile_stored(3, acc[b][3], 64);
+        store_accumulators(acc[b]);
         if (s1 == steps) store_rows(acc[b], a.bias, a.y, m, pp * 32, a.N, a.rows);
       }
     }
