@@ -32,8 +32,9 @@ constexpr int64_t kRowBlock = 256;  // rows per pass over the weight
 constexpr int64_t kPrefetchSteps = 16;
 // Passes of this many row blocks or more go in chunks of kChunkSteps K steps (16 KB of weight). Against taking the
 // panel pairs whole, on the 125M / 0.5B models' linears streamed from memory (perf/bf16_linear.py --kernel amx
-// --against, 2026-12-06): 256 rows 1.09 / 1.05x, 512 rows 1.16-1.17 / 1.06x; at 192 rows (6 blocks) 1.01-1.07x;
-// at 64 and 128 rows chunks were 0.92-1.02x, whether they requested every line ahead or only started the L2
+// --against, 2026-12-06, three runs; an A/A run of one source read 0.96-0.99, the script's second build ahead):
+// 256 rows 1.05-1.09 / 1.02-1.05x, 512 rows 1.03-1.17 / 1.04-1.06x; 192 rows (6 blocks) 0.97 / 1.04x. At 64 and
+// 128 rows chunks were no faster (0.92-1.02x), whether they requested every line ahead or only started the L2
 // streamer on each page (a tile load that misses stalls the tile unit, and at 2-4 blocks the lines requested
 // ahead crowd the core's few line-fill buffers: it keeps only ~11 GB/s in flight by its own requests).
 constexpr int64_t kChunkedBlocks = 6, kChunkSteps = 8;
