@@ -104,13 +104,14 @@ def test_a_per_request_fault_fails_that_request_alone(llama_dir, tmp_path, refer
 def test_a_forward_fault_fails_in_flight_requests_then_the_engine_comes_back(llama_dir, tmp_path, reference,
                                                                               explicit):
     word, token = trigger_word(llama_dir)
-    engine = {**ENGINE, "fault_injection": {"point": "forward", "token_id": token}}
+    # The in-flight streams must still be running when the faulting request reaches a step: they ask for as many
+    # tokens as the model's positions allow. (With 120 tokens one was seen to end first while other work shared
+    # the 2 cores; with 480, once on a slow CI host.) The fault ends them, so the length costs no time.
+    engine = {**ENGINE, "max_model_len": 2048, "fault_injection": {"point": "forward", "token_id": token}}
     server = triton_server.start(tmp_path, llama_dir, engine, explicit_model_control=explicit)
     try:
         results: dict = {}
-        # Long enough that none can finish before the faulting request reaches a step, on a loaded host too
-        # (with 120 tokens, one was seen to end first while other work shared the 2 cores).
-        threads = run_streams(server, PROMPTS, results, {**STREAM, "max_tokens": 480})
+        threads = run_streams(server, PROMPTS, results, {**STREAM, "max_tokens": 2000})
         wait_streaming(server, len(PROMPTS))
         _, err = grpc_call(server, grpc_inputs(word, STREAM, stream=True))
         states = [ready(server)]
