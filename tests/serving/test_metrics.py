@@ -69,6 +69,16 @@ def test_exact_counts_after_a_known_set_of_requests(server, llama_dir):
     cancelled_tokens = generated - 3 * 8 - stopped_tokens
     assert 1 <= cancelled_tokens < 1500
     assert m["pagedllm:inter_token_latency_seconds_count"] == generated - 6  # all tokens but each first
+    # The inter-token latency is binned by us (binned_histogram.py): its buckets print as a native histogram's
+    # of the same bounds (the time to first token's), cumulative, +Inf equal to the count.
+    def buckets(name):  # {bound as printed: count}, in the order of the bounds
+        found = {k.split('le="')[1][:-2]: v for k, v in m.items() if k.startswith(f"pagedllm:{name}_bucket")}
+        return dict(sorted(found.items(), key=lambda kv: float(kv[0])))
+
+    itl = buckets("inter_token_latency_seconds")
+    assert list(itl) == list(buckets("time_to_first_token_seconds")) and list(itl)[-1] == "+Inf"
+    assert list(itl.values()) == sorted(itl.values()) and itl["+Inf"] == generated - 6
+    assert 0 < m["pagedllm:inter_token_latency_seconds_sum"] < 60
     assert m["pagedllm:iteration_tokens_sum"] == prompt_lens + generated - 6  # every computed token
     assert m['pagedllm:time_to_first_token_seconds_bucket{le="+Inf"}'] == 6
     assert m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0

@@ -1,7 +1,8 @@
 """Engine metrics on Triton's metrics port, named like vLLM's with a `pagedllm:` prefix.
 
 A thread of its own publishes every 100 ms: gauges and counters from the engine's stats snapshot, histogram
-observations drained from the engine's queue. With LoRA, `pagedllm:lora_requests_info` is vLLM's info gauge:
+observations drained from the engine's queue (the per-token inter-token latency binned here first:
+binned_histogram.py). With LoRA, `pagedllm:lora_requests_info` is vLLM's info gauge:
 labels max_lora, running_lora_adapters and waiting_lora_adapters (adapter names, comma-separated), value the
 time the labels were last current: as in vLLM, earlier combinations stay with their last time, and the
 current one is the series with the largest value. A mixture-of-experts model adds
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from pagedllm.engine import observations as obs
+from pagedllm.serving.binned_histogram import BinnedHistogram
 
 GAUGES = {
     "num_requests_running": "Requests in the running batch",
@@ -62,6 +64,8 @@ HISTOGRAMS = {
     obs.GENERATION_TOKENS: ("Generated tokens of finished requests", _TOKENS),
     obs.ITERATION_TOKENS: ("Tokens computed per engine step", _TOKENS),
 }
+# Observed once per streamed token: binned here and published as the histogram's series (binned_histogram.py).
+BINNED = {obs.ITL}
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 logger = logging.getLogger(__name__)
@@ -92,7 +96,10 @@ class MetricsPublisher:
                          kind=family.COUNTER)
         self._families.append(success)
         self.success = {r: success.Metric(labels={**labels, "finished_reason": r}) for r in FINISH_REASONS}
-        self.histograms = {n: metric(n, d, family.HISTOGRAM, buckets=b) for n, (d, b) in HISTOGRAMS.items()}
+        self.histograms = {n: metric(n, d, family.HISTOGRAM, buckets=b) for n, (d, b) in HISTOGRAMS.items()
+                           if n not in BINNED}
+        self.binned = {n: BinnedHistogram(family, f"pagedllm:{n}", d, b, labels, self._families.append)
+                       for n, (d, b) in HISTOGRAMS.items() if n in BINNED}
         per_pos = family(name="pagedllm:spec_decode_num_accepted_tokens_per_pos_total",
                          description="Draft tokens accepted, by position in the draft", kind=family.COUNTER)
         self._families.append(per_pos)
@@ -189,7 +196,13 @@ class MetricsPublisher:
 
     def _observe(self) -> None:
         for name, value in self.observations.drain():
-            self.histograms[name].observe(value)
+            binned = self.binned.get(name)
+            if binned is not None:
+                binned.observe(value)
+            else:
+                self.histograms[name].observe(value)
+        for binned in self.binned.values():
+            binned.publish()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -211,7 +224,7 @@ class MetricsPublisher:
         self._thread.join()
         self.publish()
         with self._lock:
-            self.gauges = self.counters = self.success = self.histograms = {}
+            self.gauges = self.counters = self.success = self.histograms = self.binned = {}
             self.per_position, self.per_position_family = [], None
             self.lora_info, self.lora_family = {}, None
             self.moe_tokens, self.moe_family = {}, None
