@@ -87,7 +87,7 @@ def _fake_layer(max_tile_rows: int, prefetch_switch: bool = True, **more):
 def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
     from pagedllm.models.layers import linear_race
 
-    fake = _fake_layer(512)
+    fake = _fake_layer(linear_race.RACE_ROWS[-1])
     layers = [("model.layers.0.mlp.down_proj", fake)]
 
     def fake_time(ours_s):
@@ -98,6 +98,9 @@ def test_the_race_keeps_our_kernel_up_to_its_last_win(monkeypatch):
     assert limit == 32 and [r["rows"] for r in record[1:]] == [16, 32, 64]  # after the prefetch race: lost at 64
     monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.01))
     assert linear_race.race_tile_rows(layers)[0] == linear_race.RACE_ROWS[-1]
+    # a kernel's own ceiling bounds the race (bf16_tiles stops at 512 rows, amx_linear at 1,024)
+    limit, _, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", _fake_layer(512))])
+    assert limit == 512 and record[-1]["rows"] == 512
     monkeypatch.setattr(linear_race, "_time", fake_time(lambda rows: 0.03))
     assert linear_race.race_tile_rows(layers)[0] == linear_race.ALWAYS_OURS  # lost at once: decodes only
     slow = lambda rows: 0.2 if rows == 16 else 0.01  # noqa: E731
@@ -176,12 +179,13 @@ def test_a_kernel_without_a_prefetch_switch_races_rows_only(monkeypatch):
     """The AMX kernel has no software prefetch to switch: no prefetch race, the rows raced from 16 on."""
     from pagedllm.models.layers import linear_race
 
-    fake = _fake_layer(512, prefetch_switch=False, prefetch=True)
+    fake = _fake_layer(linear_race.RACE_ROWS[-1], prefetch_switch=False, prefetch=True)
     timed = []
     monkeypatch.setattr(linear_race, "_time", lambda ls, xs, tile, repeats: timed.append(
         next(iter(xs.values())).shape[0]) or (0.01 if tile else 0.02))
     limit, prefetch, record = linear_race.race_tile_rows([("model.layers.0.mlp.down_proj", fake)])
-    assert limit == 512 and prefetch and [r["rows"] for r in record] == list(linear_race.RACE_ROWS)
+    assert limit == linear_race.RACE_ROWS[-1] and prefetch
+    assert [r["rows"] for r in record] == list(linear_race.RACE_ROWS)
     assert min(timed) == linear_race.RACE_ROWS[0]  # nothing timed at the prefetch race's 8 rows
 
 

@@ -17,7 +17,10 @@ from pagedllm_kernels.cpu.build import amx_supported, extension
 
 __all__ = ["MAX_ROWS", "PREFETCH_SWITCH", "amx_supported", "can_pack", "pack", "linear", "reference"]
 
-MAX_ROWS = 512  # the race's ceiling: above, oneDNN's packed matmul (compute-bound batches)
+# The race's ceiling: above, oneDNN's packed matmul. The 125M model's 48 decoder linears streamed (the engine's
+# malloc setting, Intel AMX host, 2026-12-06): ours 2.15-2.34 TFLOP/s at 512-2,048 rows; oneDNN 1.5-1.6 up to
+# 1,024 rows (ours 1.33 / 1.55x at 512 / 1,024) and 2.4 from 1,536 (ours 0.91-0.94x).
+MAX_ROWS = 1024
 PREFETCH_SWITCH = False  # the kernel prefetches its weight on each pass itself: nothing for the race to switch
 
 

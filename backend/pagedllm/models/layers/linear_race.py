@@ -23,7 +23,7 @@ import torch
 
 ALWAYS_OURS = 8
 PREFETCH_RACE_ROWS = (8, 16)  # our kernel's software prefetch on and off, each timed at these batches together
-RACE_ROWS = (16, 32, 64, 128, 256, 512)  # those up to the layers' own ceiling (bf16_tiles.MAX_ROWS) are raced
+RACE_ROWS = (16, 32, 64, 128, 256, 512, 1024)  # those up to the layers' kernel's ceiling (its MAX_ROWS) are raced
 RACE_BYTES = 64 << 20  # twice the 2-core hosts' L3
 MAX_CALL_S = 0.1  # a call slower than this (a large model) ends the race: the limit stays where it is
 LOSS_RETIMES = 2  # times a loss is timed again (both paths, best of all) before it ends the race

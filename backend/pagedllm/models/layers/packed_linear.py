@@ -1,15 +1,16 @@
 """bf16 linear layers on CPU, swapped in after the weights load.
 
 - `PackedLinear`: oneDNN packs the weight once (bit-identical to `F.linear`, 1.6-1.9x faster for M <= 64, equal
-  for large batches); for decodes (and up to 512 rows where a race at load says it wins: on Zen 4 it did, on Zen 5
-  oneDNN leads from 16 rows, linear_race.py) our kernel runs on a second copy of the weight in its own tiles:
-  AVX512-BF16 (bf16_tiles.py, 1.07-1.9x as fast as oneDNN at up to 8 rows) or, on CPUs with AMX, AMX tiles
-  (amx_linear.py: the 0.5B shape's linears 1.04-1.14x oneDNN at 1-128 rows, 0.95x at 256-512; 125M's 1.09-1.20x
-  at 256-512 since session 33's chunked passes). The copy doubles the linears' weight bytes (125M: +200 MB):
-  the price of decode streaming the weight at the host's
-  bandwidth. (Until session 27 an AMX host kept one copy, in AMX tiles, and unpacked it for oneDNN above 128 rows
-  on every call: a 256-row decode's linears took 1.65x as long as on oneDNN's packed weight, and the 0.5B model
-  ran 256 sequences at 0.65x vLLM.)
+  for large batches); for decodes (and up to 512 rows, 1,024 with AMX, where a race at load says it wins: on Zen 4
+  it did, on Zen 5 oneDNN leads from 16 rows, linear_race.py) our kernel runs on a second copy of the weight in
+  its own tiles: AVX512-BF16 (bf16_tiles.py, 1.07-1.9x as fast as oneDNN at up to 8 rows) or, on CPUs with AMX,
+  AMX tiles (amx_linear.py: the 0.5B shape's linears 1.04-1.14x oneDNN at 1-128 rows, 0.95x at 256-512; 125M's
+  1.09-1.20x at 256-512 since session 33's chunked passes, 1.33-1.55x at 512-1,024 rows, where oneDNN runs at
+  ~1.5-1.6 TFLOP/s and ours at ~2.2-2.3; oneDNN's 2.4 from 1,536 rows leads). The copy doubles the linears' weight
+  bytes (125M: +200 MB): the price of decode streaming the weight at the host's bandwidth. (Until session 27 an
+  AMX host kept one copy, in AMX tiles, and unpacked it for oneDNN above 128 rows on every call: a 256-row
+  decode's linears took 1.65x as long as on oneDNN's packed weight, and the 0.5B model ran 256 sequences at 0.65x
+  vLLM.)
 
 oneDNN keeps a primitive per input shape in two caches of 1,024 entries each (ideep's and its own), about
 0.55 MiB per entry whatever the weight: a server whose batches take every row count from 1 to 2,048 grew by
