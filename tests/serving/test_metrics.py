@@ -47,8 +47,16 @@ def test_exact_counts_after_a_known_set_of_requests(server, llama_dir):
     with pytest.raises(ServerError):
         PagedLLMClient(server.grpc_url).generate("z", max_tokens=0)
 
+    # A scrape can fall between a publish's counters and its histogram observations (one call each): wait for
+    # both (CI once read 4 of the 6 end-to-end latencies with the counters complete).
+    histograms = ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                  "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+                  "time_to_first_token_seconds")
     m = server.wait_metrics(lambda m: m.get('pagedllm:request_success_total{finished_reason="abort"}') == 1
-                            and server.all_blocks_free(m))
+                            and server.all_blocks_free(m)
+                            and all(m.get(f"pagedllm:{h}_count") == 6 for h in histograms)
+                            and m.get("pagedllm:inter_token_latency_seconds_count")
+                            == m.get("pagedllm:generation_tokens_total", 0) - 6)
     assert m['pagedllm:request_success_total{finished_reason="length"}'] == 3
     assert m['pagedllm:request_success_total{finished_reason="stop"}'] == 2
     assert m['pagedllm:request_success_total{finished_reason="abort"}'] == 1
@@ -57,9 +65,7 @@ def test_exact_counts_after_a_known_set_of_requests(server, llama_dir):
     assert m["pagedllm:requests_rejected_total"] == 1
     assert m["pagedllm:requests_timed_out_total"] == 0
     assert m["pagedllm:num_preemptions_total"] == 0
-    for h in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-              "time_to_first_token_seconds"):
+    for h in histograms:
         assert m[f"pagedllm:{h}_count"] == 6, h  # every request that reached the engine
     prompt_lens = sum(len(tok.encode(p)) for p in prompts + ["while True:"])
     assert m["pagedllm:request_prompt_tokens_sum"] == prompt_lens
