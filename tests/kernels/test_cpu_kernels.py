@@ -69,6 +69,18 @@ def test_sliding_window(window, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_many_decodes_over_tables_as_wide_as_their_contexts(window):
+    """Decode rows enough for whole-row items, several per thread, each claimed while the thread requests the
+    next one's first blocks: every row is attended once, with tables exactly as wide as the longest context."""
+    lens = [1 + (37 * i) % 300 for i in range(48)]
+    q, kc, vc, tables, lens_t = make(12, 4, 64, 16, torch.bfloat16, lens=lens, seed=3)
+    tables = tables[:, :max(-(-n // 16) for n in lens)].contiguous()  # no padding columns
+    got = attend(q, kc, vc, tables, lens_t, 0.125, window)
+    ref = kernel.reference(q, kc, vc, tables, lens_t, 0.125, window)
+    torch.testing.assert_close(got.float(), ref.float(), **TOLERANCE[torch.bfloat16])
+
+
 def test_strided_queries_are_read_in_place():
     q, kc, vc, tables, lens = make(12, 4, 64, 16, torch.bfloat16)
     qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 4 * 64).to(q.dtype)], dim=1)

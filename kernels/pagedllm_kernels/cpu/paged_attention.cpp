@@ -13,9 +13,11 @@
 #include "ops.h"
 #include "simd.h"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -36,6 +38,12 @@ constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's head
 // tiles / AVX-512: group 3 1.02-1.17x the time, 4 0.99-1.01x, 5 0.79-0.96x, 7 0.71-0.90x, 8 0.72-0.86x, 16
 // 0.48-0.62x.
 constexpr int kMinDecodeTileGroup = 5;
+// A decode's blocks ahead of the one being attended that are requested whole into L2, across the end of its work
+// item into the thread's next one; the next block is also requested into L1, head by head (below). On the 2-core
+// AMD Zen 4 host, 125M decode attention streaming its K/V from memory ran 1.28-1.59x as fast so as with only the
+// first lines of block 2's pages requested (perf/README.md, session 35). Prompt tiles reread their blocks from
+// cache (a KV head's tiles run in turn): for them, neither kind of request paid.
+constexpr int kL2Ahead = 3;
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
 // bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
@@ -157,7 +165,16 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
   const int64_t group = num_heads / num_kv_heads, run = block_size * D;
   // The cache's values are its elements times these (1 for a cache of the query's dtype).
   const float score_scale = scale * k_scale;
-  auto attend = [&](const Item& it) {
+  // An item's blocks [first, end) in its rows' block table: the union of its query tokens' live ranges.
+  auto block_span = [&](const Item& it) {
+    const int64_t n = query_start[it.row + 1] - query_start[it.row];
+    const int64_t first_len = seq_lens[it.row] - (n - 1 - it.t0), last_len = seq_lens[it.row] - (n - it.t1);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_len - window) : 0;
+    return std::pair<int64_t, int64_t>{lo / block_size, (last_len + block_size - 1) / block_size};
+  };
+  // `next`: the item this thread attends after `it` (nullptr: none), whose first blocks are requested while
+  // `it`'s last ones compute.
+  auto attend = [&](const Item& it, const Item* next) {
     // Slot s = kv * per_kv + token * group + g: query head (k0 + kv) * group + g of token t0 + token.
     const int64_t per_kv = (it.t1 - it.t0) * group, served = (it.k1 - it.k0) * per_kv;
     const int64_t n = query_start[it.row + 1] - query_start[it.row], len_row = seq_lens[it.row];
@@ -187,6 +204,8 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     }
     const int64_t lo = first[0], hi = len[per_kv - 1];  // the union of the slots' ranges
     const int64_t* table = block_tables + it.row * table_stride;
+    const int64_t end_block = (hi + block_size - 1) / block_size;
+    const auto next_span = next != nullptr ? block_span(*next) : std::pair<int64_t, int64_t>{};
     for (int64_t start = lo - lo % block_size; start < hi; start += block_size) {
       const int64_t idx = start / block_size;
       const int64_t base = (table[idx] * num_kv_heads + it.k0) * run;
@@ -196,23 +215,32 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
       const char* kn = nullptr;
       const char* vn = nullptr;
       if (start + block_size < hi) {
-        const int64_t next = (table[idx + 1] * num_kv_heads + it.k0) * run;
-        kn = reinterpret_cast<const char*>(k_cache + next);
-        vn = reinterpret_cast<const char*>(v_cache + next);
+        const int64_t near = (table[idx + 1] * num_kv_heads + it.k0) * run;
+        kn = reinterpret_cast<const char*>(k_cache + near);
+        vn = reinterpret_cast<const char*>(v_cache + near);
       }
-      // And the block after that: the first lines of each of its 4 KiB pages (K and V), which starts the L2
-      // streamer on those pages a block early. On the 2-core Intel AMX host, 64 decode rows over contexts of
-      // 750-1,500 ran 1.05x as fast with this as without (perf/README.md, session 31).
-      if (start + 2 * block_size < hi) {
-        const int64_t far = (table[idx + 2] * num_kv_heads + it.k0) * run;
-        const char* kf = reinterpret_cast<const char*>(k_cache + far);
-        const char* vf = reinterpret_cast<const char*>(v_cache + far);
-        const int64_t bytes = (it.k1 - it.k0) * run * static_cast<int64_t>(sizeof(C));
-        for (int64_t page = 0; page < bytes; page += 4096)
-          for (int64_t off = page; off < std::min<int64_t>(page + 256, bytes); off += 64) {
-            _mm_prefetch(kf + off, _MM_HINT_T0);
-            _mm_prefetch(vf + off, _MM_HINT_T0);
-          }
+      // A decode's blocks 2..kL2Ahead ahead into L2; at the item's end, the next item's first blocks instead
+      // (the block right after this item's last, too, as no L1 request above covers it). Written out here: GCC 12
+      // dropped these requests when a helper lambda made them.
+      for (int64_t ahead = 1; ahead <= (it.t1 - it.t0 == 1 ? kL2Ahead : 0); ++ahead) {
+        const Item* target_item = &it;
+        int64_t target = idx + ahead;
+        if (target >= end_block) {
+          target_item = next;
+          target = next_span.first + (target - end_block);
+          if (next == nullptr || target >= next_span.second) continue;
+        } else if (ahead < 2) {
+          continue;
+        }
+        const int64_t at =
+            (block_tables[target_item->row * table_stride + target] * num_kv_heads + target_item->k0) * run;
+        const char* kf = reinterpret_cast<const char*>(k_cache + at);
+        const char* vf = reinterpret_cast<const char*>(v_cache + at);
+        const int64_t bytes = (target_item->k1 - target_item->k0) * run * static_cast<int64_t>(sizeof(C));
+        for (int64_t off = 0; off < bytes; off += 64) {
+          _mm_prefetch(kf + off, _MM_HINT_T1);
+          _mm_prefetch(vf + off, _MM_HINT_T1);
+        }
       }
       const int64_t a = std::max(start, lo) - start, b = std::min(start + block_size, hi) - start;
       const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
@@ -281,19 +309,23 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
   if constexpr (kBf16)
     operands = {q, q_stride, k_cache, v_cache, block_tables, seq_lens, query_start, out, num_heads, num_kv_heads,
                 block_size, table_stride, window, score_scale, v_scale};
-  // Items differ in length by up to the context length: hand them out one at a time, not in equal ranges.
+  // Items differ in length by up to the context length: hand them out one at a time, not in equal ranges. A thread
+  // claims its next item when it starts one, so that it can request the next one's first blocks in time.
   const int threads = at::get_num_threads();
+  std::atomic<size_t> claimed{0};
 #pragma omp parallel num_threads(threads)
   {
     if (tiles) pagedllm::attention_amx::configure_tiles(block_size);
-#pragma omp for schedule(dynamic, 1)
-    for (size_t i = 0; i < items.size(); ++i) {
-      if constexpr (kBf16)
-        if (tiles && (items[i].t1 - items[i].t0 > 1 || decode_tiles)) {
-          pagedllm::attention_amx::attend<C, CH>(items[i], operands);
-          continue;
-        }
-      attend(items[i]);
+    for (size_t i = claimed.fetch_add(1); i < items.size();) {
+      const size_t next = claimed.fetch_add(1);
+      const Item* next_item = next < items.size() ? &items[next] : nullptr;
+      bool on_tiles = false;
+      if constexpr (kBf16) {
+        on_tiles = tiles && (items[i].t1 - items[i].t0 > 1 || decode_tiles);
+        if (on_tiles) pagedllm::attention_amx::attend<C, CH>(items[i], operands);
+      }
+      if (!on_tiles) attend(items[i], next_item);
+      i = next;
     }
     if (tiles) _tile_release();
   }
