@@ -40,8 +40,8 @@ constexpr int kMaxSlots = kMaxHeads;  // query vectors per item: a decode's head
 constexpr int kMinDecodeTileGroup = 5;
 // A decode's blocks ahead of the one being attended that are requested whole into L2, across the end of its work
 // item into the thread's next one; the next block is also requested into L1, head by head (below). On the 2-core
-// AMD Zen 4 host, 125M decode attention streaming its K/V from memory ran 1.28-1.59x as fast so as with only the
-// first lines of block 2's pages requested (perf/README.md, session 35). Prompt tiles reread their blocks from
+// AMD Zen 4 host, 125M decode attention streaming its K/V from memory ran 1.28-1.59x as fast as with only the first
+// lines of block 2's pages requested (perf/README.md, session 35). Prompt tiles reread their blocks from
 // cache (a KV head's tiles run in turn): for them, neither kind of request paid.
 constexpr int kL2Ahead = 3;
 
@@ -204,8 +204,9 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     }
     const int64_t lo = first[0], hi = len[per_kv - 1];  // the union of the slots' ranges
     const int64_t* table = block_tables + it.row * table_stride;
-    const int64_t end_block = (hi + block_size - 1) / block_size;
+    const int64_t end_block = block_span(it).second;
     const auto next_span = next != nullptr ? block_span(*next) : std::pair<int64_t, int64_t>{};
+    const int64_t l2_ahead = it.t1 - it.t0 == 1 ? kL2Ahead : 0;  // decodes only
     for (int64_t start = lo - lo % block_size; start < hi; start += block_size) {
       const int64_t idx = start / block_size;
       const int64_t base = (table[idx] * num_kv_heads + it.k0) * run;
@@ -222,7 +223,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
       // A decode's blocks 2..kL2Ahead ahead into L2; at the item's end, the next item's first blocks instead
       // (the block right after this item's last, too, as no L1 request above covers it). Written out here: GCC 12
       // dropped these requests when a helper lambda made them.
-      for (int64_t ahead = 1; ahead <= (it.t1 - it.t0 == 1 ? kL2Ahead : 0); ++ahead) {
+      for (int64_t ahead = 1; ahead <= l2_ahead; ++ahead) {
         const Item* target_item = &it;
         int64_t target = idx + ahead;
         if (target >= end_block) {
