@@ -108,6 +108,21 @@ def test_only_each_rows_context_is_read(dtype, amx, block_size, window, heads):
     torch.testing.assert_close(attend(q, kc, vc, tables, lens, starts, 0.125, window, amx=amx), before)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("block_size", [16, 48, 64])
+@pytest.mark.parametrize("window", [None, 300])
+def test_prompts_longer_than_a_span_match_the_reference(dtype, cache_dtype, block_size, window):
+    """On AVX-512 a tile's pass covers a span of up to 256 positions of several blocks: prompts and a chunk over
+    several spans, one a position past two, with windows that start inside a span."""
+    rows = [(600, 600), (700, 37), (300, 1), (513, 513)]
+    q, kc, vc, tables, lens, starts = make(12, 4, 64, block_size, dtype, rows=rows, cache_dtype=cache_dtype)
+    got = attend(q, kc, vc, tables, lens, starts, 0.125, window)
+    ref = kernel.reference(q, kc, vc, tables, lens, 0.125, window, query_start_loc=starts)
+    tolerance = TOLERANCE[dtype] if cache_dtype is None else dict(atol=2e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), ref.float(), **tolerance)
+
+
 @pytest.mark.parametrize("amx", PATHS)
 def test_one_long_prompt_is_shared_out_in_tiles(amx):
     """A single 1,000-token prompt (many tiles, few rows) against the reference."""

@@ -44,6 +44,9 @@ constexpr int kMinDecodeTileGroup = 5;
 // lines of block 2's pages requested (perf/README.md, session 35). Prompt tiles reread their blocks from
 // cache (a KV head's tiles run in turn): for them, neither kind of request paid.
 constexpr int kL2Ahead = 3;
+// Positions a prompt tile's pass covers (a span of whole blocks, below), and the most blocks in one.
+constexpr int kSpanPositions = 256;
+constexpr int kMaxSpan = kSpanPositions / 16;
 
 // Dot products on 32-bit units (kv_layout.h): fp32 FMAs, or AVX512-BF16 pair dot products (a product of two
 // bf16 is exact in fp32 and the sums are fp32, as in SDPA's bf16 path). Vectors hold 16 units as raw bits.
@@ -111,18 +114,23 @@ inline void scores16(const T* const* qh, const C* kb, int64_t block_size, int64_
   for (int g = 0; g < NG; ++g) s[g] = _mm512_add_ps(even[g], odd[g]);
 }
 
-// acc[g] += sum over units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in registers.
+// acc[g] += sum over a span's units u0..u1-1 of probs[g] . V, for NG heads with their CH accumulators in
+// registers. The span's units lie in runs of per_run units each (its blocks); unit u0 is in the first.
 // keep_first/keep_last mask the elements of the edge units that belong to tokens outside the live range
 // (their probabilities are 0, but the cache there may hold anything, even NaN).
 template <typename T, typename C, int CH, int NG>
-inline void weighted_values(const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
-                            __mmask32 keep_first, __mmask32 keep_last) {
+inline void weighted_values(const C* const* runs, int64_t per_run, T* const* probs, float* const* acc, int64_t u0,
+                            int64_t u1, __mmask32 keep_first, __mmask32 keep_last) {
   constexpr int P = kUnit<T>, D = 16 * CH;
   __m512 a[NG][CH];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CH; ++c) a[g][c] = _mm512_load_ps(acc[g] + 16 * c);
-  for (int64_t u = u0; u < u1; ++u) {
-    const C* vr = vb + u * D * P;
+  const C* vr = runs[0] + u0 * D * P;
+  for (int64_t u = u0, p = 0, run_end = per_run; u < u1; ++u, vr += D * P) {
+    if (u == run_end) {
+      vr = runs[++p];
+      run_end += per_run;
+    }
     static_assert(CH % 2 == 0, "value vectors are loaded in pairs");
     __m512 vv[CH];
     for (int c = 0; c < CH; c += 2) CacheUnits<T, C>::load2(vr + 16 * c * P, vv[c], vv[c + 1]);
@@ -146,11 +154,12 @@ inline void scores16_for(int ng, const T* const* qh, const C* kb, int64_t block_
   scores16<T, C, U, NG>(qh, kb, block_size, c, s);
 }
 template <typename T, typename C, int CH, int NG>
-inline void weighted_values_for(int ng, const C* vb, T* const* probs, float* const* acc, int64_t u0, int64_t u1,
-                                __mmask32 keep_first, __mmask32 keep_last) {
+inline void weighted_values_for(int ng, const C* const* runs, int64_t per_run, T* const* probs, float* const* acc,
+                                int64_t u0, int64_t u1, __mmask32 keep_first, __mmask32 keep_last) {
   if constexpr (NG > 1)
-    if (ng < NG) return weighted_values_for<T, C, CH, NG - 1>(ng, vb, probs, acc, u0, u1, keep_first, keep_last);
-  weighted_values<T, C, CH, NG>(vb, probs, acc, u0, u1, keep_first, keep_last);
+    if (ng < NG)
+      return weighted_values_for<T, C, CH, NG - 1>(ng, runs, per_run, probs, acc, u0, u1, keep_first, keep_last);
+  weighted_values<T, C, CH, NG>(runs, per_run, probs, acc, u0, u1, keep_first, keep_last);
 }
 
 template <typename T, typename C, int CH>
@@ -179,16 +188,17 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     const int64_t per_kv = (it.t1 - it.t0) * group, served = (it.k1 - it.k0) * per_kv;
     const int64_t n = query_start[it.row + 1] - query_start[it.row], len_row = seq_lens[it.row];
     alignas(64) float acc[kMaxSlots][D];  // unnormalised outputs
-    alignas(64) float scores[kMaxSlots][kMaxBlock];
-    alignas(64) T probs[kMaxSlots][kMaxBlock];  // exp(score - running max), in the cache's dtype
+    alignas(64) float scores[kMaxSlots][kSpanPositions];
+    alignas(64) T probs[kMaxSlots][kSpanPositions];  // exp(score - running max), in the cache's dtype
     float running_max[kMaxSlots];
     alignas(64) float denom[kMaxSlots][16];  // partial sums of the softmax denominator
     int64_t first[kMaxSlots], len[kMaxSlots];  // each slot's live positions [first, len) (one KV head's slots)
     const T* qh[kMaxSlots];
     float* acc_h[kMaxSlots];
     T* probs_h[kMaxSlots];
-    // bf16 copies of an fp8 (block, KV head) run (the same layout: both keep units of two elements).
-    alignas(64) T wide_k[std::is_same_v<T, C> ? 1 : kMaxBlock * D], wide_v[std::is_same_v<T, C> ? 1 : kMaxBlock * D];
+    // bf16 copies of a span's fp8 (block, KV head) runs (the same layout: both keep units of two elements).
+    alignas(64) T wide_k[std::is_same_v<T, C> ? 1 : kSpanPositions * D],
+        wide_v[std::is_same_v<T, C> ? 1 : kSpanPositions * D];
     for (int64_t s = 0; s < served; ++s) {
       const int64_t kv = s / per_kv, tok = it.t0 + (s % per_kv) / group, g = s % group;
       qh[s] = q + (query_start[it.row] + tok) * q_stride + ((it.k0 + kv) * group + g) * D;
@@ -206,17 +216,27 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     const int64_t* table = block_tables + it.row * table_stride;
     const int64_t end_block = block_span(it).second;
     const auto next_span = next != nullptr ? block_span(*next) : std::pair<int64_t, int64_t>{};
-    const int64_t l2_ahead = it.t1 - it.t0 == 1 ? kL2Ahead : 0;  // decodes only
-    for (int64_t start = lo - lo % block_size; start < hi; start += block_size) {
+    const bool decode = it.t1 - it.t0 == 1;
+    const int64_t l2_ahead = decode ? kL2Ahead : 0;
+    // A pass covers a span of blocks: for a prompt's tile, up to kSpanPositions positions of consecutive blocks
+    // (each its own run), so the softmax step, the accumulators' loads and stores and the per-pass setup are paid
+    // once per span, not per block. On the 2-core Zen 4 host, prompts of 144-2,048 tokens in blocks of 16 ran
+    // 1.21-1.37x as fast as block by block; spans of 64 positions 1.17-1.24x, of 512 no faster than 256
+    // (perf/README.md, session 36). A decode's span is one block: its prefetches below are planned block by block.
+    const int64_t span_blocks = decode ? 1 : std::max<int64_t>(1, kSpanPositions / block_size);
+    for (int64_t start = lo - lo % block_size; start < hi; start += span_blocks * block_size) {
       const int64_t idx = start / block_size;
-      const int64_t base = (table[idx] * num_kv_heads + it.k0) * run;
-      // Blocks are scattered: the next one is requested while this one computes, each KV head's share just
-      // before that head's work here (below), every line (no adjacent-line help). Spread out so, decode
+      const int64_t blocks =
+          span_blocks == 1 ? 1 : std::min(span_blocks, (hi - start + block_size - 1) / block_size);
+      int64_t base[kMaxSpan];  // each block's run of the item's first KV head
+      for (int64_t p = 0; p < blocks; ++p) base[p] = (table[idx + p] * num_kv_heads + it.k0) * run;
+      // Blocks are scattered: the one after the span is requested while this one computes, each KV head's share
+      // just before that head's work here (below), every line (no adjacent-line help). Spread out so, decode
       // attention ran 1.13-1.27x as fast as with the whole block requested at once (perf/README.md, session 19).
       const char* kn = nullptr;
       const char* vn = nullptr;
-      if (start + block_size < hi) {
-        const int64_t near = (table[idx + 1] * num_kv_heads + it.k0) * run;
+      if (start + blocks * block_size < hi) {
+        const int64_t near = (table[idx + blocks] * num_kv_heads + it.k0) * run;
         kn = reinterpret_cast<const char*>(k_cache + near);
         vn = reinterpret_cast<const char*>(v_cache + near);
       }
@@ -243,15 +263,21 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
           _mm_prefetch(vf + off, _MM_HINT_T1);
         }
       }
-      const int64_t a = std::max(start, lo) - start, b = std::min(start + block_size, hi) - start;
+      // The span's live positions [a, b), relative to its start: a is in its first block (only the first span
+      // starts before lo, by less than a block).
+      const int64_t a = std::max(start, lo) - start, b = std::min(start + blocks * block_size, hi) - start;
       const int64_t c0 = a - a % 16, u0 = a / P, u1 = (b + P - 1) / P;
       // bf16: an edge unit (a token pair) may hold a position outside [a, b), which may not be written yet:
       // keep only the live one's elements. Inside [a, b) every position is written; a slot's dead ones there
       // get probability 0.
       const __mmask32 keep_first = (a % P) ? 0xAAAAAAAAu : ~0u, keep_last = (b % P) ? 0x55555555u : ~0u;
       for (int64_t kvh = it.k0; kvh < it.k1; ++kvh) {
-        const C* kb = k_cache + base + (kvh - it.k0) * run;
-        const C* vb = v_cache + base + (kvh - it.k0) * run;
+        const C* kr[kMaxSpan];
+        const C* vr[kMaxSpan];
+        for (int64_t p = 0; p < blocks; ++p) {
+          kr[p] = k_cache + base[p] + (kvh - it.k0) * run;
+          vr[p] = v_cache + base[p] + (kvh - it.k0) * run;
+        }
         const int64_t s0 = (kvh - it.k0) * per_kv;  // this KV head's first slot
         if (kn != nullptr) {
           const int64_t o0 = (kvh - it.k0) * run * static_cast<int64_t>(sizeof(C));
@@ -260,39 +286,50 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
             _mm_prefetch(vn + off, _MM_HINT_T0);
           }
         }
-        // A pass over a run of the cache, given the run: an fp8 run that more than one pass reads is widened once,
-        // into bf16 scratch in L1, and the passes read that; otherwise they read (and widen) the cache itself.
-        auto read_run = [&](const C* r, T* scratch, bool several_passes, auto&& pass) {
+        // A pass over the span's runs of the cache, given the runs: fp8 runs that more than one pass reads are
+        // widened once, into bf16 scratch, and the passes read that; otherwise they read (and widen) the cache
+        // itself.
+        auto read_runs = [&](const C* const* r, T* scratch, bool several_passes, auto&& pass) {
           if constexpr (!std::is_same_v<T, C>) {
             if (several_passes) {
-              attention::widen_run(r, scratch, run);
-              return pass(static_cast<const T*>(scratch));
+              const T* wide[kMaxSpan];
+              for (int64_t p = 0; p < blocks; ++p) {
+                attention::widen_run(r[p], scratch + p * run, run);
+                wide[p] = scratch + p * run;
+              }
+              return pass(static_cast<const T* const*>(wide));
             }
           }
           pass(r);
         };
-        auto scores_pass = [&]<typename K>(const K* kr) {
+        auto scores_pass = [&]<typename K>(const K* const* runs) {
           for (int64_t j0 = 0; j0 < per_kv; j0 += SB) {
             const int ng = static_cast<int>(std::min<int64_t>(SB, per_kv - j0));
-            for (int64_t c = c0; c < b; c += 16) {
+            // c: the chunk's position in the span; p and at: its block in the span and its position there.
+            for (int64_t c = c0, p = 0, at = c0; c < b; c += 16, at += 16) {
+              if (at == block_size) {
+                ++p;
+                at = 0;
+              }
               __m512 sc[SB];
-              scores16_for<T, K, U, SB>(ng, qh + s0 + j0, kr, block_size, c, sc);
+              scores16_for<T, K, U, SB>(ng, qh + s0 + j0, runs[p], block_size, at, sc);
               for (int g = 0; g < ng; ++g)
                 _mm512_store_ps(scores[j0 + g] + c, sc[g]);
             }
           }
         };
-        read_run(kb, wide_k, per_kv > SB, scores_pass);
+        read_runs(kr, wide_k, per_kv > SB, scores_pass);
         for (int64_t j = 0; j < per_kv; ++j)
           attention::online_softmax_step<T, CH>(scores[j], probs[j], c0, b, std::max(a, first[j] - start),
                                                 std::min(b, len[j] - start), score_scale, running_max[s0 + j],
                                                 denom[s0 + j], acc[s0 + j]);
-        auto values_pass = [&]<typename V>(const V* vr) {
+        auto values_pass = [&]<typename V>(const V* const* runs) {
           for (int64_t j0 = 0; j0 < per_kv; j0 += VB)
-            weighted_values_for<T, V, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), vr,
-                                              probs_h + j0, acc_h + s0 + j0, u0, u1, keep_first, keep_last);
+            weighted_values_for<T, V, CH, VB>(static_cast<int>(std::min<int64_t>(VB, per_kv - j0)), runs,
+                                              block_size / P, probs_h + j0, acc_h + s0 + j0, u0, u1, keep_first,
+                                              keep_last);
         };
-        read_run(vb, wide_v, per_kv > VB, values_pass);
+        read_runs(vr, wide_v, per_kv > VB, values_pass);
       }
     }
     for (int64_t s = 0; s < served; ++s) {
