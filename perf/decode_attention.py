@@ -9,7 +9,9 @@ layer call and GB/s of K/V read, against this host's streaming read bandwidth me
 
 --against builds another version of kernels/pagedllm_kernels/cpu/paged_attention.cpp (say, `git show
 REV:kernels/pagedllm_kernels/cpu/paged_attention.cpp > /tmp/old.cpp`) as an extension of its own and alternates
-the two call by call on the same caches; the ratio is old time / our time.
+the two call by call on the same caches, ABBA; the ratio is old time / our time. Calibrate it with an A/A run (our
+own source as the other): on Zen 4 that reads 0.93-0.96, the separate build running faster (perf/README.md,
+session 36).
 """
 
 from __future__ import annotations
