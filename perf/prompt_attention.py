@@ -9,8 +9,8 @@ token over its prefix), blocks scattered, head_dim 64, block size 16, on AMX til
 --against takes a paged_attention.cpp, or a directory holding one with the headers it includes: another
 version of kernels/pagedllm_kernels/cpu (`mkdir /tmp/old-cpu && git archive REV kernels/pagedllm_kernels/cpu |
 tar -x --strip-components 3 -C /tmp/old-cpu`), built as an extension of its own against its own headers. The two
-alternate call by call on the same inputs; the ratio is its time / ours, and max_abs_diff their outputs' largest
-difference. --cold writes a 256 MiB buffer before every call (not timed), so K and V come from memory.
+alternate call by call (ABBA) on the same inputs; the ratio is its time / ours, and max_abs_diff their outputs'
+largest difference. --cold writes a 256 MiB buffer before every call (not timed), so K and V come from memory.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def main() -> None:
         kernels["ours"](*call_args)
         calls = 1 if args.cold else max(1, int(0.3 / (time.perf_counter() - start)))
         times = {name: [] for name in kernels}
-        for _ in range(args.passes):
-            for name, fn in kernels.items():
+        for i in range(args.passes):  # ABBA: neither build always runs first
+            for name, fn in (list(kernels.items()) if i % 2 == 0 else list(kernels.items())[::-1]):
                 total = 0.0
                 for _ in range(calls):
                     if flush is not None:

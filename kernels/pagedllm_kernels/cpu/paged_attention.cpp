@@ -221,7 +221,7 @@ void attend_items(const T* q, int64_t q_stride, const C* k_cache, const C* v_cac
     // A pass covers a span of blocks: for a prompt's tile, up to kSpanPositions positions of consecutive blocks
     // (each its own run), so the softmax step, the accumulators' loads and stores and the per-pass setup are paid
     // once per span, not per block. On the 2-core Zen 4 host, prompts of 144-2,048 tokens in blocks of 16 ran
-    // 1.21-1.37x as fast as block by block; spans of 64 positions 1.17-1.24x, of 512 no faster than 256
+    // 1.20-1.38x as fast as block by block; spans of 64 positions 1.17-1.24x, of 512 no faster than 256
     // (perf/README.md, session 36). A decode's span is one block: its prefetches below are planned block by block.
     const int64_t span_blocks = decode ? 1 : std::max<int64_t>(1, kSpanPositions / block_size);
     for (int64_t start = lo - lo % block_size; start < hi; start += span_blocks * block_size) {
