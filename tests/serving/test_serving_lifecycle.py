@@ -64,8 +64,10 @@ def test_deadline_overload_and_priority_input_through_triton(tmp_path):
     from pagedllm.tiny_model import make_variant_model
     from serving_client import grpc_call, grpc_inputs
 
-    # A must still hold the only slot when B's 1 s deadline passes: on a fast host the tiny model made its 2,000
-    # tokens (its position limit) in under that, so this one takes 16,384 positions.
+    # A must still hold the only slot when B's 5 s deadline passes: on a fast host the tiny model made its 2,000
+    # tokens (its position limit) in under a second, so this one takes 16,384 positions (~30 s on 2 Zen 4 cores).
+    # B's deadline leaves C time to arrive while B is still queued: with 1 s, a loaded CI host once scraped and
+    # connected past it, so B had already timed out, C was admitted behind A and the refusal never came.
     model = make_variant_model(str(tmp_path / "llama-long"), max_position_embeddings=16384)
     engine = dict(ENGINE, max_model_len=16384, max_num_seqs=1, max_queue_size=1, scheduling_policy="priority")
     server = triton_server.start(tmp_path, model, engine)
@@ -76,14 +78,15 @@ def test_deadline_overload_and_priority_input_through_triton(tmp_path):
 
         def queued_with_deadline():
             inputs = grpc_inputs("import os", {"max_tokens": 5}, stream=False,
-                                  timeout=(np.array([1.0], dtype=np.float32), "FP32"),
+                                  timeout=(np.array([5.0], dtype=np.float32), "FP32"),
                                   priority=(np.array([3], dtype=np.int32), "INT32"),
                                   return_finish_reason=(np.array([True]), "BOOL"))
             results["b"] = grpc_call(server, inputs, outputs=("finish_reason",))
 
         b = threading.Thread(target=queued_with_deadline)
         b.start()
-        server.wait_metrics(lambda m: m.get("pagedllm:num_requests_waiting") == 1)
+        queued = server.wait_metrics(lambda m: m.get("pagedllm:num_requests_waiting") == 1)
+        assert queued.get("pagedllm:num_requests_waiting") == 1, "B never showed as queued"
         text, err = grpc_call(server, grpc_inputs("x", json.dumps({"max_tokens": 3})))
         assert err is not None and "overloaded" in err  # C: the queue (max_queue_size=1) holds B
         b.join(timeout=60)
