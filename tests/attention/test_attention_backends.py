@@ -95,6 +95,23 @@ def test_a_wrong_backend_is_rejected(llama_dir, monkeypatch):
     assert llm.get_stats().attention_backend != "wrong"
 
 
+@pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
+@pytest.mark.parametrize("amx_attention,built_with", [(True, None), (False, False)])
+def test_the_amx_switch_reaches_the_backend_before_the_race(monkeypatch, amx_attention, built_with):
+    """amx_attention=False builds the cpu backend off the AMX tile unit, so the race times what the engine runs
+    (it was once switched off only after the race). Spied on the constructor: the answer holds on any host."""
+    import torch
+    from pagedllm.attention.cpu_backend import CpuAttention
+
+    made = []
+    construct = CpuAttention.__init__
+    monkeypatch.setattr(CpuAttention, "__init__", lambda self, amx=None: (made.append(amx), construct(self, amx))[1])
+    shape = selector.ProbeShape(4, 2, 32, 16, torch.float32)
+    backend, sel = selector.select_backend("cpu", shape, amx_attention)
+    assert made == [built_with] and sel.chosen == "cpu"
+    assert amx_attention or backend.amx is False
+
+
 def test_unknown_backend_name_is_an_error(llama_dir):
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(llama_dir, attention_backend="flash9000")

@@ -24,7 +24,7 @@ class CpuAttention:
 
     def __init__(self, amx: bool | None = None) -> None:
         """`amx`: prompts (and wide groups' decodes) on the AMX tile unit (None: where the CPU has one;
-        EngineConfig.amx_attention=False turns it off for the engine's runner)."""
+        EngineConfig.amx_attention=False builds it with False, before the backends' race)."""
         from pagedllm_kernels.cpu import kv_layout
         from pagedllm_kernels.cpu import paged_attention as kernel
 

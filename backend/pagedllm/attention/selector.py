@@ -28,10 +28,10 @@ def _triton():
     return TritonAttention()
 
 
-def _cpu():
+def _cpu(amx_attention: bool = True):
     from pagedllm.attention.cpu_backend import CpuAttention
 
-    return CpuAttention()
+    return CpuAttention(amx=None if amx_attention else False)
 
 
 def _avx2():
@@ -43,6 +43,14 @@ def _avx2():
 BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "avx2": _avx2, "triton": _triton}
 # What `auto` races on each kind of device. On a CPU the Triton kernels run only under Triton's interpreter (a
 # test vehicle, orders of magnitude slower), so they are not candidates there; asked for by name they still run.
+
+
+def build_backend(name: str, amx_attention: bool = True):
+    """A fresh `name` backend; `amx_attention=False` keeps the cpu backend's prompts off the AMX tile unit
+    (EngineConfig.amx_attention), so the race times what the engine will run."""
+    return _cpu(amx_attention) if name == "cpu" else BUILDERS[name]()
+
+
 AUTO_CANDIDATES = {"cpu": ("torch", "cpu", "avx2"), "cuda": ("torch", "triton")}
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -75,8 +83,8 @@ class Selection:
     results: dict[str, dict] = field(default_factory=dict)  # name -> {"ok", "ms" or "error"}
 
 
-def select_backend(name: str, shape: ProbeShape):
-    """Returns (backend, Selection)."""
+def select_backend(name: str, shape: ProbeShape, amx_attention: bool = True):
+    """Returns (backend, Selection); `amx_attention` as build_backend's."""
     if name != "auto" and name not in BUILDERS:
         raise ValueError(f"attention_backend: unknown backend {name!r}; available: auto, {', '.join(BUILDERS)}")
     device_kind = "cuda" if shape.device.startswith("cuda") else "cpu"
@@ -89,7 +97,7 @@ def select_backend(name: str, shape: ProbeShape):
     results, built = {}, {}
     for cand in candidates:
         try:
-            backend = BUILDERS[cand]()
+            backend = build_backend(cand, amx_attention)
             if hasattr(backend, "warm_up"):  # one-time costs (compiling a kernel) are not its speed
                 backend.warm_up(shape.device)
             cache = _filled_cache(backend, probe, shape)

@@ -134,7 +134,8 @@ class LLMEngine:
         shape = ProbeShape(attn.num_heads, attn.num_kv_heads, attn.head_dim, cc.block_size, info.dtype, window,
                            info.device, getattr(attn, "softcap", None), info.kv_dtype)
         with self.startup.phase("attention backend selection"):
-            self.backend, self.attention_selection = select_backend(self.config.attention_backend, shape)
+            self.backend, self.attention_selection = select_backend(
+                self.config.attention_backend, shape, self.config.amx_attention)
         with self.startup.phase("KV cache", f"{num_blocks - 1} blocks of {cc.block_size} tokens, {info.kv_dtype}"):
             self.executor.init_cache(num_blocks, self.backend, self._calibration_ids(num_blocks))
         self.decode_graphs = self._capture_decode_graphs(model)

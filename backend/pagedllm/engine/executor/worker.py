@@ -106,8 +106,6 @@ class Worker:
         each rank scales its own KV heads)."""
         if self.device == "cpu" and self.spec.cpu_malloc_tuning:  # after the load: its temporaries go back first
             keep_freed_memory()
-        if getattr(backend, "amx", False) and not self.spec.amx_attention:
-            backend.amx = False
         self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size,
                                   self.spec.kv_dtype or self.spec.dtype, backend, self.device, self.model.lora)
         if calibration_ids:  # before the C++ loop, which takes the scales as they are when it is attached

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pagedllm.attention.selector import BUILDERS
+from pagedllm.attention.selector import build_backend
 from pagedllm.distributed import comm
 from pagedllm.engine.executor.multiproc import CHECK_IN_KEY, rank_device
 from pagedllm.engine.executor.worker import Worker
@@ -38,7 +38,7 @@ def serve_steps(group: comm.TensorParallelGroup, local_rank: int) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // ranks_per_host))
     worker = Worker(spec, load_config(spec.model), device, group)
     num_blocks, backend_name, calibration_ids = group.broadcast_object()
-    worker.init_cache(num_blocks, BUILDERS[backend_name](), calibration_ids)
+    worker.init_cache(num_blocks, build_backend(backend_name, spec.amx_attention), calibration_ids)
     while (step := group.broadcast_object()) is not None:
         worker.execute_step(step)
     group.destroy()
