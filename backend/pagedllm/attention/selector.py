@@ -41,8 +41,6 @@ def _avx2():
 
 
 BUILDERS = {"torch": TorchAttention, "cpu": _cpu, "avx2": _avx2, "triton": _triton}
-# What `auto` races on each kind of device. On a CPU the Triton kernels run only under Triton's interpreter (a
-# test vehicle, orders of magnitude slower), so they are not candidates there; asked for by name they still run.
 
 
 def build_backend(name: str, amx_attention: bool = True):
@@ -51,6 +49,8 @@ def build_backend(name: str, amx_attention: bool = True):
     return _cpu(amx_attention) if name == "cpu" else BUILDERS[name]()
 
 
+# What `auto` races on each kind of device. On a CPU the Triton kernels run only under Triton's interpreter (a
+# test vehicle, orders of magnitude slower), so they are not candidates there; asked for by name they still run.
 AUTO_CANDIDATES = {"cpu": ("torch", "cpu", "avx2"), "cuda": ("torch", "triton")}
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
