@@ -56,7 +56,7 @@ def build_kernel_module(source: str, functions: list[str], declaration: str = '#
                         f'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ {defs} }}\n')
     digest = hashlib.sha256(pathlib.Path(source).read_bytes() + declaration.encode()).hexdigest()[:10]
     return load(name=f"pagedllm_other_{'_'.join(functions)}_{digest}", sources=[os.path.abspath(source), str(bindings)],
-                extra_include_paths=[str(kernels)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
+                extra_include_paths=[str(kernels)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS))
 
 
 def quantized_model_dir(arch: str, size: str, kind: str) -> str:

@@ -33,11 +33,14 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 # avx512dq: vreduceps in the attention softmax's exp (simd.h); every CPU with AVX512-BF16 has it.
 _NEEDED_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16", "avx512vbmi")
 # -fopenmp: at::parallel_for is an OpenMP loop compiled into this extension, serial without it.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
-           "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+# Tuples, handed to torch as fresh lists: torch's `load` appends its own link flags to the lists it is given, and
+# a mutated list would change the digest of every module built after it in the same process (scripts/install.sh
+# builds two: the second got a name no other process computes, and the first server or test rebuilt it, ~55 s).
+_CFLAGS = ("-O3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vbmi",
+           "-mavx512vnni", "-mfma", "-mamx-tile", "-mamx-bf16", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _AVX2_NEEDED_FLAGS = ("avx2", "fma", "f16c")
-_AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+_AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a killed build
 
 
@@ -120,12 +123,10 @@ def avx2_module(name: str):
     return importlib.import_module(f"pagedllm_kernels.cpu.{name}")
 
 
-def _build(prefix: str, files: list[str], cflags: list[str]):
+def _build(prefix: str, files: list[str], cflags: tuple[str, ...]):
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files) +
-                            repr((cflags, _LDFLAGS)).encode()).hexdigest()[:12]
-    name = f"{prefix}_{digest}"
+    name = module_name(prefix, files, cflags)
     build_dir = pathlib.Path(_get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     if built.exists() and not (build_dir / "lock").exists():
@@ -137,9 +138,16 @@ def _build(prefix: str, files: list[str], cflags: list[str]):
     logger.warning("C++ CPU kernels: building %s (once per machine and source version; a minute or two)", name)
     start = time.monotonic()
     module = load(name=name, sources=[f for f in files if f.endswith(".cpp")], verbose=False,
-                  extra_cflags=cflags, extra_ldflags=_LDFLAGS)
+                  extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS))
     logger.warning("C++ CPU kernels: built %s in %.1f s", built, time.monotonic() - start)
     return module
+
+
+def module_name(prefix: str, files: list[str], cflags: tuple[str, ...]) -> str:
+    """The built module's name: `prefix` and a digest of the sources and the compiler and linker flags."""
+    digest = hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in files) +
+                            repr((list(cflags), list(_LDFLAGS))).encode()).hexdigest()[:12]
+    return f"{prefix}_{digest}"
 
 
 def _load_built(name: str, path: pathlib.Path):
