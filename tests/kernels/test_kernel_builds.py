@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 
 from pagedllm_kernels.cpu import build
@@ -12,9 +11,7 @@ def test_a_build_leaves_the_next_modules_name_as_a_fresh_process_computes_it(mon
     """scripts/install.sh builds both extensions in one process. torch's `load` appends its own link flags to the
     lists it is handed: were those our flags, the second module's digest would differ from the one every later
     process computes, and the first server or test would build it again."""
-    cpu_sources = sorted(glob.glob(os.path.join(build._DIR, "*.cpp")) + glob.glob(os.path.join(build._DIR, "*.h")))
-    avx2_sources = sorted(glob.glob(os.path.join(build._DIR, "avx2", "*.cpp")) +
-                          glob.glob(os.path.join(build._DIR, "avx2", "*.h")))
+    cpu_sources, avx2_sources = build.cpu_sources(), build.avx2_sources()
     fresh = [build.module_name("pagedllm_cpu", cpu_sources, build._CFLAGS),
              build.module_name("pagedllm_avx2", avx2_sources, build._AVX2_CFLAGS)]
     built = []

@@ -88,8 +88,17 @@ def extension():
     ok, why = cpu_supported()
     if not ok:
         raise RuntimeError(why)
-    return _build("pagedllm_cpu", sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h"))),
-                  _CFLAGS)
+    return _build("pagedllm_cpu", cpu_sources(), _CFLAGS)
+
+
+def cpu_sources() -> list[str]:
+    """The AVX-512 module's sources: every .cpp and .h of this directory."""
+    return sorted(glob.glob(os.path.join(_DIR, "*.cpp")) + glob.glob(os.path.join(_DIR, "*.h")))
+
+
+def avx2_sources() -> list[str]:
+    """The AVX2 module's sources: every .cpp and .h of avx2/."""
+    return sorted(glob.glob(os.path.join(_DIR, "avx2", "*.cpp")) + glob.glob(os.path.join(_DIR, "avx2", "*.h")))
 
 
 def avx2_supported() -> tuple[bool, str]:
@@ -105,8 +114,7 @@ def avx2_extension():
     ok, why = avx2_supported()
     if not ok:
         raise RuntimeError(why)
-    files = glob.glob(os.path.join(_DIR, "avx2", "*.cpp")) + glob.glob(os.path.join(_DIR, "avx2", "*.h"))
-    return _build("pagedllm_avx2", sorted(files), _AVX2_CFLAGS)
+    return _build("pagedllm_avx2", avx2_sources(), _AVX2_CFLAGS)
 
 
 @functools.cache
