@@ -65,6 +65,9 @@ class CacheConfig:
                  "gpu_memory_utilization", f"must be a fraction in (0, 1], got {u!r}")
 
 
+CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
@@ -72,6 +75,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     max_queue_size: int | None = None  # waiting requests beyond this are rejected ("overloaded")
+    # How admission spends the KV pool (TensorRT-LLM's capacity scheduler policies):
+    # "max_utilization": a request is admitted while its next chunk fits; when running requests outgrow the
+    #   pool, some are preempted and later recomputed (vLLM's way, the default).
+    # "guaranteed_no_evict": admitted only while the pool can also hold every admitted request's whole
+    #   sequence (prompt plus max_tokens), so no running request is preempted for KV: fewer run at once, none
+    #   recomputes. Suits workloads whose outputs run to max_tokens.
+    capacity_scheduler_policy: str = "max_utilization"
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
@@ -79,6 +89,8 @@ class SchedulerConfig:
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         _require(self.max_queue_size is None or self.max_queue_size > 0, "max_queue_size", "must be > 0")
+        _require(self.capacity_scheduler_policy in CAPACITY_POLICIES, "capacity_scheduler_policy",
+                 f"must be one of {CAPACITY_POLICIES}, got {self.capacity_scheduler_policy!r}")
 
 
 @dataclass(frozen=True)

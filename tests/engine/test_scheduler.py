@@ -12,16 +12,17 @@ from pagedllm.sampling_params import SamplingParams
 BS = 4
 
 
-def make_req(rid, n, priority=0, arrival=None, tokens=None):
+def make_req(rid, n, priority=0, arrival=None, tokens=None, max_tokens=1000):
     ids = tokens if tokens is not None else [100 + i for i in range(n)]
     return Request(str(rid), ids, SamplingParams(temperature=0), {1}, BS, priority=priority,
-                   arrival_time=arrival, max_tokens=1000)
+                   arrival_time=arrival, max_tokens=max_tokens)
 
 
-def make_sched(num_blocks=13, budget=64, max_seqs=8, chunked=True, policy="fcfs", caching=True, queue=None):
+def make_sched(num_blocks=13, budget=64, max_seqs=8, chunked=True, policy="fcfs", caching=True, queue=None,
+               capacity="max_utilization"):
     kv = KVCacheManager(num_blocks, BS, caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                          scheduling_policy=policy, max_queue_size=queue)
+                          scheduling_policy=policy, max_queue_size=queue, capacity_scheduler_policy=capacity)
     return Scheduler(cfg, kv, max_model_len=1000), kv
 
 
@@ -158,3 +159,65 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     out = run_step(sched)
     assert b.num_cached_tokens == 4  # one block of two: the last prompt token must produce logits
     assert {s.request.request_id: s.num_tokens for s in out.scheduled}["b"] == 4
+
+
+def run_to_completion(sched):
+    """Step until every request has its max_tokens (each step's token 7); the most that ran at once."""
+    most_running = 0
+    while sched.has_unfinished():
+        run_step(sched)
+        most_running = max(most_running, len(sched.running))
+        for r in list(sched.running):
+            if r.num_output_tokens >= r.max_tokens:
+                sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+    return most_running
+
+
+@pytest.mark.parametrize("capacity", ["max_utilization", "guaranteed_no_evict"])
+def test_guaranteed_no_evict_admits_only_what_can_finish_without_preemption(capacity):
+    # 12 usable blocks; 4 requests of 6 prompt + 10 output tokens = 4 blocks each at their longest (16 in all)
+    sched, kv = make_sched(capacity=capacity)
+    reqs = [make_req(i, 6, tokens=[100 + 10 * i + j for j in range(6)], max_tokens=10) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    most_running = run_to_completion(sched)
+    assert all(r.output_token_ids == [7] * 10 for r in reqs)
+    if capacity == "max_utilization":  # all four admitted on their prompts' 2 blocks, then outgrow the pool
+        assert most_running == 4 and sched.num_preemptions > 0
+    else:  # three whole sequences fit; the fourth waits for one to finish
+        assert most_running == 3 and sched.num_preemptions == 0
+    assert kv.all_free()
+
+
+def test_guaranteed_no_evict_counts_prefix_blocks_held_by_running_requests_once():
+    # 8 usable blocks. A: 16 prompt tokens (4 blocks) + 8 out = 6 blocks at its longest, 2 still to come.
+    # B shares A's 16 tokens plus one: 6 blocks at its longest, 4 of them A's, so it needs 2 of the 2 left.
+    sched, kv = make_sched(num_blocks=9, capacity="guaranteed_no_evict")
+    prefix = [100 + j for j in range(16)]
+    a = make_req("a", 16, tokens=prefix, max_tokens=8)
+    sched.add_request(a)
+    run_step(sched)  # A prefilled: its 4 full blocks are cached
+    b = make_req("b", 17, tokens=prefix + [999], max_tokens=7)
+    sched.add_request(b)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
+    assert kv.block_ids("b")[:4] == kv.block_ids("a")[:4]
+    run_to_completion(sched)
+    assert sched.num_preemptions == 0 and len(a.output_token_ids) == 8 and len(b.output_token_ids) == 7
+    assert kv.all_free()
+
+
+def test_guaranteed_no_evict_still_runs_a_request_longer_than_the_pool_alone():
+    # 12 usable blocks; 8 + 100 tokens would take 27. Admitted when nothing runs, and nothing joins it.
+    sched, _ = make_sched(capacity="guaranteed_no_evict")
+    big, small = make_req("big", 8, max_tokens=100), make_req("small", 4, max_tokens=2)
+    sched.add_request(big)
+    sched.add_request(small)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["big"]
+    assert small.status == RequestStatus.WAITING
+
+
+def test_capacity_scheduler_policy_is_checked():
+    with pytest.raises(ValueError, match="capacity_scheduler_policy"):
+        SchedulerConfig(capacity_scheduler_policy="no_evict")

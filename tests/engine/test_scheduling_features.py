@@ -66,6 +66,24 @@ def test_prefix_caching_identical_under_preemption_and_abort(model_dir):
     assert_all_blocks_free(off)
 
 
+def test_guaranteed_no_evict_gives_the_same_tokens_without_preemption(model_dir):
+    """Both capacity policies on a pool too small for every request at its longest: the same greedy tokens,
+    max_utilization by preempting and recomputing, guaranteed_no_evict by admitting fewer at once."""
+    d = model_dir("llama")
+    prompts = random_prompts([30 + 7 * i for i in range(8)], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=20 * 16384, max_num_batched_tokens=128)
+    default = LLM(d, **kw)
+    no_evict = LLM(d, capacity_scheduler_policy="guaranteed_no_evict", **kw)
+    expected = run(default, prompts, params)
+    assert run(no_evict, prompts, params) == expected
+    assert all(len(t) == 40 for t in expected)
+    assert default.get_stats().num_preemptions > 0
+    assert no_evict.get_stats().num_preemptions == 0
+    assert_all_blocks_free(default)
+    assert_all_blocks_free(no_evict)
+
+
 def test_chunked_prefill_on_and_off_identical_and_decodes_keep_running(model_dir):
     d = model_dir("llama")
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20)

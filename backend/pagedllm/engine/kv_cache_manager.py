@@ -133,6 +133,9 @@ class KVCacheManager:
         self.num_indexed.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))  # tail first: evicted before the shared head
 
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

@@ -5,6 +5,10 @@ prefill as many as fit), then waiting requests are admitted while budget, sequen
 When a running request cannot get a block, requests are preempted by recompute (their blocks freed, their
 progress reset) starting from the one that yields first: the most recently admitted (FCFS) or the lowest
 priority (priority policy).
+
+Under the "guaranteed_no_evict" capacity policy a waiting request is admitted only while the pool can also hold
+the whole sequences (prompt plus max_tokens) of everything admitted, so running requests never outgrow the pool;
+the preemption path stays for what that count cannot foresee (speculative drafts past the end).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.kv_sizing import cdiv
 from pagedllm.engine.request import LONG_ROPE, Request, RequestStatus
 from pagedllm.engine.request_queue import make_queue
 
@@ -63,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.no_evict = config.capacity_scheduler_policy == "guaranteed_no_evict"
 
     # --- admission / removal ------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -157,6 +163,7 @@ class Scheduler:
         admitting = not out.preempted
         loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
         no_slot: list[Request] = []  # passed over: their adapter has no slot while the running ones hold them
+        reserved = self._growth_reserved() if self.no_evict else 0  # free blocks the running ones may still take
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
@@ -181,10 +188,12 @@ class Scheduler:
                 n = budget
             # A request that will fork into several sequences (n, best_of, beams) is admitted with room for all.
             if len(self.running) + req.seqs_to_reserve <= self.config.max_num_seqs and \
-                    self.kv.allocate_slots(req, n, hits):
+                    self._fits_whole(req, hits, reserved) and self.kv.allocate_slots(req, n, hits):
                 self._admit(req, num_hit_tokens, now)
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
+                if self.no_evict:
+                    reserved += self._growth(req)
                 if req.lora is not None:
                     loras.add(req.lora.lora_int_id)
                 continue
@@ -193,11 +202,36 @@ class Scheduler:
                 break
             self._preempt(victim, out)
             budget = self.config.max_num_batched_tokens - out.num_tokens
+            reserved = self._growth_reserved() if self.no_evict else 0
             if victim.lora is not None and not any(r.lora == victim.lora for r in self.running):
                 loras.discard(victim.lora.lora_int_id)
         for req in reversed(no_slot):  # back in their places, ahead of everything that arrived after them
             self.waiting.add_front(req)
         return out
+
+    # --- guaranteed_no_evict ------------------------------------------------------------------
+    def _whole_blocks(self, req: Request) -> int:
+        """Blocks `req` holds at its longest: prompt plus max_tokens (within the context), for each sequence it
+        forks into (forks share the prompt's full blocks)."""
+        bs = self.kv.block_size
+        room = self.max_model_len - req.num_prompt_tokens
+        final = cdiv(req.num_prompt_tokens + (room if req.max_tokens is None else min(req.max_tokens, room)), bs)
+        return final + (req.seqs_to_reserve - 1) * (final - req.num_prompt_tokens // bs)
+
+    def _growth(self, req: Request) -> int:
+        """Blocks a running request may still take from the pool."""
+        return max(0, self._whole_blocks(req) - self.kv.num_blocks_held(req.request_id))
+
+    def _growth_reserved(self) -> int:
+        return sum(self._growth(r) for r in self.running)
+
+    def _fits_whole(self, req: Request, hits: list, reserved: int) -> bool:
+        """Whether admitting `req` keeps room for every admitted sequence's whole length. With nothing running
+        it is admitted regardless, so a request longer than the pool still runs (as under max_utilization)."""
+        if not self.no_evict or not self.running:
+            return True
+        held_by_others = sum(1 for b in hits if b.ref_cnt > 0)  # prefix hits in use cost no free block
+        return self.kv.num_free_blocks - reserved >= self._whole_blocks(req) - held_by_others
 
     def _recompute_with_long_rope(self, req: Request) -> None:
         """The sequence has passed LongRoPE's original context: its short-factor KV goes, and it is computed again
