@@ -80,7 +80,7 @@ class SchedulerConfig:
     #   pool, some are preempted and later recomputed (vLLM's way, the default).
     # "guaranteed_no_evict": admitted only while the pool can also hold every admitted request's whole
     #   sequence (prompt plus max_tokens), so no running request is preempted for KV: fewer run at once, none
-    #   recomputes. Suits workloads whose outputs run to max_tokens.
+    #   loses its progress (the same throughput where measured, perf/README.md session 39).
     capacity_scheduler_policy: str = "max_utilization"
 
     def __post_init__(self) -> None:

@@ -194,3 +194,12 @@ def test_decode_attention_reports_bandwidth():
     assert records[0]["bench"] == "read_bandwidth" and records[0]["gb_per_s"] > 0
     assert [(r["rows"], r["max_context"]) for r in records[1:]] == [(2, 40), (3, 100)]
     assert all(r["ours_ms"] > 0 and 0 < r["ours_share_of_read_bandwidth"] for r in records[1:])
+
+
+def test_preemption_waste_counts_recomputed_prefills():
+    records = run("preemption_waste.py", "--kv-gib", "0.0625", "--outputs", "128", "--seqs", "16")
+    by_policy = {r["policy"]: r for r in records if "policy" in r}
+    assert by_policy["max_utilization"]["preemptions"] > 0
+    assert by_policy["max_utilization"]["computed_over_needed"] > 1
+    assert by_policy["guaranteed_no_evict"]["preemptions"] == 0
+    assert by_policy["guaranteed_no_evict"]["tokens_computed"] == by_policy["guaranteed_no_evict"]["tokens_needed"]
