@@ -78,9 +78,10 @@ class SchedulerConfig:
     # How admission spends the KV pool (TensorRT-LLM's capacity scheduler policies):
     # "max_utilization": a request is admitted while its next chunk fits; when running requests outgrow the
     #   pool, some are preempted and later recomputed (vLLM's way, the default).
-    # "guaranteed_no_evict": admitted only while the pool can also hold every admitted request's whole
-    #   sequence (prompt plus max_tokens), so no running request is preempted for KV: fewer run at once, none
-    #   loses its progress (the same throughput where measured, perf/README.md session 39).
+    # "guaranteed_no_evict": a new request is admitted only while the pool can also hold every admitted
+    #   request's whole sequence (prompt plus max_tokens), so none is preempted because others grew: fewer run
+    #   at once, none recomputes for that (the same throughput where measured, perf/README.md session 39).
+    #   Priority preemption, beams and LongRoPE's recompute still preempt (engine/scheduler.py).
     capacity_scheduler_policy: str = "max_utilization"
 
     def __post_init__(self) -> None:

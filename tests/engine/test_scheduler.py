@@ -207,7 +207,47 @@ def test_guaranteed_no_evict_counts_prefix_blocks_held_by_running_requests_once(
     assert kv.all_free()
 
 
-def test_guaranteed_no_evict_still_runs_a_request_longer_than_the_pool_alone():
+def test_guaranteed_no_evict_counts_cached_blocks_in_the_free_queue_as_taken():
+    # 9 usable blocks. A (16 tokens) finishes: its 4 full blocks stay cached in the free queue.
+    sched, kv = make_sched(num_blocks=10, capacity="guaranteed_no_evict")
+    prefix = [100 + j for j in range(16)]
+    a = make_req("a", 16, tokens=prefix, max_tokens=1)
+    sched.add_request(a)
+    run_to_completion(sched)
+    c = make_req("c", 8, tokens=[500 + j for j in range(8)], max_tokens=8)  # 2 blocks held, 2 still to come
+    sched.add_request(c)
+    run_step(sched)
+    # B: 6 blocks at its longest, 4 of them A's cached ones, which leave the free queue when B takes them:
+    # 7 free - 2 reserved for C = 5 < 6, so B waits for C.
+    b = make_req("b", 17, tokens=prefix + [999], max_tokens=7)
+    sched.add_request(b)
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["c"] and b.status == RequestStatus.WAITING
+    run_to_completion(sched)
+    assert sched.num_preemptions == 0 and len(b.output_token_ids) == 7 and kv.all_free()
+
+
+def test_guaranteed_no_evict_holds_a_preempted_request_to_the_reservation():
+    # 12 usable blocks, priority policy. Low (8 + 12 tokens: 5 blocks at its longest) runs; High (8 + 32: 10
+    # blocks) outranks it and takes its place. High's reservation (8 more blocks) leaves no room for Low's whole
+    # sequence, so Low waits for High instead of coming back to be preempted again by High's growth.
+    sched, kv = make_sched(policy="priority", capacity="guaranteed_no_evict")
+    low = make_req("low", 8, priority=1, max_tokens=12)
+    sched.add_request(low)
+    run_step(sched)
+    high = make_req("high", 8, priority=0, tokens=[300 + j for j in range(8)], max_tokens=32)
+    sched.add_request(high)
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["low"] and [s.request.request_id for s in out.scheduled] == \
+        ["high"]
+    assert [s.request.request_id for s in run_step(sched).scheduled] == ["high"]
+    assert low.status == RequestStatus.PREEMPTED
+    run_to_completion(sched)
+    assert sched.num_preemptions == 1
+    assert len(high.output_token_ids) == 32 and len(low.output_token_ids) == 12 and kv.all_free()
+
+
+def test_guaranteed_no_evict_admits_a_request_longer_than_the_pool_when_nothing_runs():
     # 12 usable blocks; 8 + 100 tokens would take 27. Admitted when nothing runs, and nothing joins it.
     sched, _ = make_sched(capacity="guaranteed_no_evict")
     big, small = make_req("big", 8, max_tokens=100), make_req("small", 4, max_tokens=2)

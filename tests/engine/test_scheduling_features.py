@@ -4,7 +4,7 @@ through the offline engine (fp32, tiny models)."""
 import pytest
 
 from conftest import assert_all_blocks_free, random_prompts
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.engine.scheduler import QueueFullError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -82,6 +82,20 @@ def test_guaranteed_no_evict_gives_the_same_tokens_without_preemption(model_dir)
     assert no_evict.get_stats().num_preemptions == 0
     assert_all_blocks_free(default)
     assert_all_blocks_free(no_evict)
+
+
+def test_guaranteed_no_evict_runs_groups_of_samples_and_beams_to_the_end(model_dir):
+    """Forked sequences on a pool that holds few of them at their longest: every group finishes whole."""
+    llm = LLM(model_dir("llama"), dtype="float32", max_model_len=128, kv_cache_memory_bytes=20 * 16384,
+              max_num_batched_tokens=128, capacity_scheduler_policy="guaranteed_no_evict")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([30, 45, 60], seed=12)]
+    outs = llm.generate(prompts, SamplingParams(n=3, seed=4, temperature=1.0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[40] * 3] * 3
+    assert_all_blocks_free(llm)
+    beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=30, ignore_eos=True))
+    assert [[len(c.token_ids) for c in b.outputs] for b in beams] == [[30] * 3] * 2
+    assert_all_blocks_free(llm)
 
 
 def test_chunked_prefill_on_and_off_identical_and_decodes_keep_running(model_dir):

@@ -6,9 +6,12 @@ When a running request cannot get a block, requests are preempted by recompute (
 progress reset) starting from the one that yields first: the most recently admitted (FCFS) or the lowest
 priority (priority policy).
 
-Under the "guaranteed_no_evict" capacity policy a waiting request is admitted only while the pool can also hold
-the whole sequences (prompt plus max_tokens) of everything admitted, so running requests never outgrow the pool;
-the preemption path stays for what that count cannot foresee (speculative drafts past the end).
+Under the "guaranteed_no_evict" capacity policy a new request is admitted only while the pool can also hold the
+whole sequences (prompt plus max_tokens) of everything admitted, so running requests do not outgrow the pool.
+Preemption stays for what is not growth: the priority policy's, an idle beam's yielding, and LongRoPE's
+recompute (its private copies of shared blocks are not counted). A preempted member of a group of beams or
+samples comes back as soon as its blocks fit, as under max_utilization, so no group waits on one member's
+reservation while the rest of it holds the pool.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class Scheduler:
                     self._preempt(victim, out)
                 loras.discard(holders[0].lora.lora_int_id)
                 budget = self.config.max_num_batched_tokens - out.num_tokens
+                reserved = self._growth_reserved() if self.no_evict else 0
                 continue
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
@@ -227,8 +231,10 @@ class Scheduler:
 
     def _fits_whole(self, req: Request, hits: list, reserved: int) -> bool:
         """Whether admitting `req` keeps room for every admitted sequence's whole length. With nothing running
-        it is admitted regardless, so a request longer than the pool still runs (as under max_utilization)."""
-        if not self.no_evict or not self.running:
+        it is admitted regardless, so a request longer than the pool still runs (as under max_utilization); so
+        is a preempted member of an admitted group (its room was counted with the group's)."""
+        rejoining_group = req.group is not None and req.first_scheduled_time is not None
+        if not self.no_evict or not self.running or rejoining_group:
             return True
         held_by_others = sum(1 for b in hits if b.ref_cnt > 0)  # prefix hits in use cost no free block
         return self.kv.num_free_blocks - reserved >= self._whole_blocks(req) - held_by_others
