@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 
 from common import emit, random_workload
+from offline_worker import MAX_MODEL_LEN, MAX_NUM_SEQS
 from pagedllm.config import CAPACITY_POLICIES, SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from throughput import PROMPTS
 
-PROMPTS = {"short": (32, 256), "long": (1000, 2000)}  # perf/throughput.py's grid
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 2560  # perf/offline_worker.py's
-MAX_NUM_SEQS = 256
 
 
 def simulate(policy: str, prompts: list[list[int]], max_tokens: int, num_blocks: int) -> dict:

@@ -166,7 +166,7 @@ class Scheduler:
         admitting = not out.preempted
         loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
         no_slot: list[Request] = []  # passed over: their adapter has no slot while the running ones hold them
-        reserved = self._growth_reserved() if self.no_evict else 0  # free blocks the running ones may still take
+        reserved = self._growth_reserved()
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
             if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
@@ -180,7 +180,7 @@ class Scheduler:
                     self._preempt(victim, out)
                 loras.discard(holders[0].lora.lora_int_id)
                 budget = self.config.max_num_batched_tokens - out.num_tokens
-                reserved = self._growth_reserved() if self.no_evict else 0
+                reserved = self._growth_reserved()
                 continue
             hits, num_hit_tokens = ([], 0)
             if req.num_computed_tokens == 0 and not req.needs_prompt_logits:
@@ -206,7 +206,7 @@ class Scheduler:
                 break
             self._preempt(victim, out)
             budget = self.config.max_num_batched_tokens - out.num_tokens
-            reserved = self._growth_reserved() if self.no_evict else 0
+            reserved = self._growth_reserved()
             if victim.lora is not None and not any(r.lora == victim.lora for r in self.running):
                 loras.discard(victim.lora.lora_int_id)
         for req in reversed(no_slot):  # back in their places, ahead of everything that arrived after them
@@ -227,7 +227,8 @@ class Scheduler:
         return max(0, self._whole_blocks(req) - self.kv.num_blocks_held(req.request_id))
 
     def _growth_reserved(self) -> int:
-        return sum(self._growth(r) for r in self.running)
+        """Free blocks the running requests may still take (0 under max_utilization, which reserves nothing)."""
+        return sum(self._growth(r) for r in self.running) if self.no_evict else 0
 
     def _fits_whole(self, req: Request, hits: list, reserved: int) -> bool:
         """Whether admitting `req` keeps room for every admitted sequence's whole length. With nothing running
