@@ -98,6 +98,38 @@ def test_guaranteed_no_evict_runs_groups_of_samples_and_beams_to_the_end(model_d
     assert_all_blocks_free(llm)
 
 
+def beam_search_steps(llm, prompt, params, max_steps):
+    """(the beams' tokens, steps taken) of one beam search, failing past max_steps rather than hanging."""
+    engine, beams = llm.engine, None
+    rid = engine.add_request({"prompt_token_ids": prompt}, params.sampling_params())
+    for step in range(1, max_steps + 1):
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                beams = [c.token_ids for c in o.outputs]
+        if not engine.has_unfinished_requests():
+            return beams, step
+    raise AssertionError(f"beam search still running after {max_steps} steps "
+                         f"({llm.get_stats().num_preemptions} preemptions)")
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+@pytest.mark.parametrize("width", [10, 16])
+def test_beams_wider_than_the_pool_take_turns_and_finish(model_dir, policy, width):
+    """A pool of 19 blocks holds 10 beams of a 60-token prompt only while they share most of their blocks,
+    and 16 hardly: an idle beam yields its blocks, and is not readmitted before its group has chosen (it was, and
+    took the room back at once: the search never ended). The beams are those of an ample pool."""
+    d = model_dir("llama")
+    prompt = random_prompts([60], seed=21)[0]
+    params = BeamSearchParams(beam_width=width, max_tokens=60, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=128, capacity_scheduler_policy=policy)
+    expected, _ = beam_search_steps(LLM(d, kv_cache_memory_bytes=64 << 20, **kw), prompt, params, 200)
+    tight = LLM(d, kv_cache_memory_bytes=20 * 16384, **kw)
+    got, steps = beam_search_steps(tight, prompt, params, 20 * 60)
+    assert got == expected and len(got) == width and all(len(t) == 60 for t in got)
+    assert tight.get_stats().num_preemptions > 0
+    assert_all_blocks_free(tight)
+
+
 def test_chunked_prefill_on_and_off_identical_and_decodes_keep_running(model_dir):
     d = model_dir("llama")
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=32 << 20)

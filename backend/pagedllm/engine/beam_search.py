@@ -61,6 +61,7 @@ class BeamGroup:
     def report(self, beam, logprobs: torch.Tensor) -> None:
         """A beam's next-token log-probs (fp32, [V]); a beam recomputed after preemption reports again."""
         self.reports[beam.request_id] = logprobs
+        beam.waits_for_group = True
 
     @property
     def ready(self) -> bool:
@@ -70,6 +71,8 @@ class BeamGroup:
         """The next running beams (empty when the search is over; `done` is then set)."""
         rows = torch.stack([self.reports[b.request_id] for b in self.beams])
         self.reports.clear()
+        for b in self.beams:
+            b.waits_for_group = False
         vocab = rows.shape[1]
         cand = (rows + torch.tensor(self.scores, dtype=rows.dtype).unsqueeze(1)).flatten()
         values, flat = cand.topk(min(self.num_candidates, cand.numel()))

@@ -106,6 +106,8 @@ class Request:
         self.num_preemptions = 0
         self.group = None  # the SampleGroup or BeamGroup this sequence belongs to (engine.request_groups)
         self.seqs_to_reserve = 1  # sequence slots admission must find: more while forks are still to come
+        # a beam whose next-token row is with its group: it has nothing to compute until the group chooses
+        self.waits_for_group = False
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request, and accepted
         self.num_accepted_draft_tokens = 0
 

@@ -165,16 +165,21 @@ class Scheduler:
         #    lower priority, lowest first.
         admitting = not out.preempted
         loras = {r.lora.lora_int_id for r in self.running if r.lora is not None} if self.max_loras else set()
-        no_slot: list[Request] = []  # passed over: their adapter has no slot while the running ones hold them
+        # passed over: a beam preempted while it waits for its group (it has nothing to compute; readmitted, it
+        # would take back the room it yielded), or a request whose adapter has no slot while running ones hold them
+        passed_over: list[Request] = []
         reserved = self._growth_reserved()
         while admitting and self.waiting and budget > 0:
             req = self.waiting.peek()
+            if req.waits_for_group:
+                passed_over.append(self.waiting.pop())
+                continue
             if self.long_rope_after is not None and not req.long_rope and req.num_tokens > self.long_rope_after:
                 req.add_hash_key(LONG_ROPE)  # preempted past the crossing: recomputed with the long factors anyway
             if req.lora is not None and req.lora.lora_int_id not in loras and len(loras) >= self.max_loras:
                 holders = self._adapter_outranked_by(req)
                 if holders is None:
-                    no_slot.append(self.waiting.pop())
+                    passed_over.append(self.waiting.pop())
                     continue
                 for victim in holders:  # priority: the slot's lower-ranked requests yield it
                     self._preempt(victim, out)
@@ -209,7 +214,7 @@ class Scheduler:
             reserved = self._growth_reserved()
             if victim.lora is not None and not any(r.lora == victim.lora for r in self.running):
                 loras.discard(victim.lora.lora_int_id)
-        for req in reversed(no_slot):  # back in their places, ahead of everything that arrived after them
+        for req in reversed(passed_over):  # back in their places, ahead of everything that arrived after them
             self.waiting.add_front(req)
         return out
 
@@ -285,7 +290,7 @@ class Scheduler:
     def _idle(self) -> Request | None:
         """The latest running sequence with nothing to compute: a beam that has reported its candidates and
         waits for its group. It yields first, so beams that cannot all hold KV at once still take turns
-        (its report stays; it is recomputed when it runs again)."""
+        (its report stays; it waits unadmitted until its group has chosen, and is recomputed when it runs again)."""
         return next((r for r in reversed(self.running) if r.num_computed_tokens == r.num_tokens), None)
 
     def _pick_victim(self) -> Request:
