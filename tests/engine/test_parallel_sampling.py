@@ -80,6 +80,26 @@ def test_best_of_keeps_the_samples_with_the_highest_cumulative_logprob(llm):
     assert_all_blocks_free(llm)
 
 
+def test_best_of_cumulative_outputs_hold_the_n_best_so_far(llm):
+    """The engine's default output kind (cumulative) with best_of > n: every output holds at most n samples, the
+    best so far by cumulative logprob, and the last one the n best (it held all best_of samples)."""
+    engine = llm.engine
+    prompt = random_prompts([23], seed=6)[0]
+    kw = dict(n=2, best_of=4, seed=31, temperature=1.0, max_tokens=9, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(**kw), request_id="cumulative")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs and all(len(o.outputs) <= 2 for o in outputs)
+    for o in outputs:
+        scores = [c.cumulative_logprob for c in o.outputs]
+        assert scores == sorted(scores, reverse=True) and [c.index for c in o.outputs] == list(range(len(scores)))
+    final = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**kw), use_tqdm=False)[0]
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert [c.token_ids for c in outputs[-1].outputs] == [c.token_ids for c in final.outputs]
+    assert_all_blocks_free(llm)
+
+
 def test_streaming_n_says_which_sample_each_delta_belongs_to(llm):
     engine = llm.engine
     prompt = random_prompts([25], seed=8)[0]

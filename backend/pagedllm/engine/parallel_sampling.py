@@ -73,16 +73,17 @@ class SampleGroup:
         if kind == RequestOutputKind.DELTA:
             return self._output([c], done, out)
         if kind == RequestOutputKind.CUMULATIVE:
-            return self._output([self.latest[k] for k in sorted(self.latest)], done, out)
-        return self._output(self._best(), True, out) if done else None
+            return self._output(self._top(self.latest), done, out)
+        return self._output(self._top(self.finals), True, out) if done else None
 
-    def _best(self) -> list[CompletionOutput]:
-        """All samples in order, or for best_of the n with the highest cumulative logprob, best first."""
-        finals = [self.finals[k] for k in sorted(self.finals)]
-        if len(finals) == self.params.n:
-            return finals
+    def _top(self, completions: dict[int, CompletionOutput]) -> list[CompletionOutput]:
+        """The samples in order; of best_of > n, the n with the highest cumulative logprob so far, best first (a
+        cumulative output never holds more than n, and its last one the n a final-only output holds)."""
+        ordered = [completions[k] for k in sorted(completions)]
+        if len(self.samples) == self.params.n:
+            return ordered
         ranked = sorted(
-            finals,
+            ordered,
             key=lambda c: -(c.cumulative_logprob if c.cumulative_logprob is not None else float("-inf")),
         )[: self.params.n]
         return [dataclasses.replace(c, index=k) for k, c in enumerate(ranked)]
