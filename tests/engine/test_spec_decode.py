@@ -104,21 +104,34 @@ def test_rejection_sampling_preserves_the_target_distribution():
     draft = 5
     n = 20000
     gen = torch.Generator().manual_seed(0)
-    counts = [0] * 6
+    counts, accepted = [0] * 6, 0
     for _ in range(n):
-        counts[verify(logits, [draft], _request(params), gen)[0]] += 1
+        emitted = verify(logits, [draft], _request(params), gen)
+        counts[emitted[0]] += 1
+        accepted += len(emitted) == 2
     assert _chi_square(counts, target, n) < 20.5
+    # accepted with probability p(draft), as rejection sampling accepts a point-mass draft (within 5 sigma)
+    assert abs(accepted - n * target[draft]) < 5 * (n * target[draft] * (1 - target[draft])) ** 0.5
     always_accept = [n if t == draft else 0 for t in range(6)]
     assert _chi_square(always_accept, target, n) > 20.5
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(model_dir):
+def test_seeded_sampling_with_speculation_gives_the_tokens_of_plain_decoding(model_dir):
+    """Verification draws a seeded request's token at each position as the plain sampler would, so its tokens do
+    not depend on how many drafts each step held (a tight token budget trims them) or on speculation at all."""
     d = model_dir("llama")
-    spec = LLM(d, dtype="float32", max_model_len=256, speculative_config=SPEC, seed=3)
+    kw = dict(dtype="float32", max_model_len=256, seed=3)
+    plain = LLM(d, **kw)
+    spec = LLM(d, speculative_config=SPEC, **kw)
+    trimmed = LLM(d, speculative_config=SPEC, max_num_batched_tokens=8, **kw)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=150, ignore_eos=True)
     prompts = repetitive_prompts()[:3]
-    assert run(spec, prompts, params) == run(spec, prompts, params)
+    expected = run(plain, prompts, params)
+    assert run(spec, prompts, params) == expected
+    assert run(trimmed, prompts, params) == expected
+    assert spec.get_stats().spec_decode_num_accepted_tokens > 0
     assert_all_blocks_free(spec)
+    assert_all_blocks_free(trimmed)
 
 
 def test_speculative_config_is_validated(llama_dir):

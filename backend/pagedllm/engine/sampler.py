@@ -70,8 +70,9 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        probs = _processed_probs(logits, [r.sampling_params for r in reqs])
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+        probs = processed_probs(logits, [r.sampling_params for r in reqs])
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. A seeded row's noise is its
+        # generator's next V draws, as in `race` (speculative verification draws a seeded request's tokens there).
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if unseeded:
@@ -100,8 +101,9 @@ class Sampler:
         return out
 
 
-def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p: the distribution a non-greedy row is drawn from (one params per row)."""
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p: the (unnormalised) distribution a non-greedy row is drawn from (one
+    params per row)."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
     logits = _top_k_top_p(logits / temps, [p.top_k for p in params], [p.top_p for p in params])
     probs = torch.softmax(logits, dim=-1)
@@ -113,8 +115,14 @@ def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Normalised sampling distributions of one request at several positions ([n, V] logits)."""
-    probs = _processed_probs(logits.float(), [params] * logits.shape[0])
+    probs = processed_probs(logits.float(), [params] * logits.shape[0])
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from a row of (unnormalised) probabilities, as `Sampler` draws a seeded row: argmax(p / E) with
+    E ~ Exp(1), the generator's next V draws."""
+    return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:
