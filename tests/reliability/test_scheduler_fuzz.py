@@ -1,10 +1,11 @@
 """Property-based fuzzing (hypothesis) of continuous batching through the offline engine: whatever mix of
 requests (lengths, greedy, seeded samples, best_of, beams wider than the pool; logprobs, penalties, min_tokens,
-prompt logprobs; priorities, arrivals mid-batch, aborts) meets whatever small KV pool and scheduling options (capacity policy, FCFS or priority, chunked prefill,
-prefix caching, n-gram speculation), every request ends within a bounded number of steps with the tokens it gets
-alone on an ample pool without speculation, and every block is back in the pool. What it found: wide beams that
-never finished (an idle beam yielded its blocks and took them straight back), best_of's cumulative outputs that
-held every sample, and seeded samples whose tokens changed with the drafts the token budget left them."""
+prompt logprobs; priorities, arrivals mid-batch, aborts) meets whatever small KV pool and scheduling options
+(capacity policy, FCFS or priority, chunked prefill, prefix caching, n-gram speculation), every request ends
+within a bounded number of steps with the tokens it gets alone on an ample pool without speculation, and every
+block is back in the pool. What it found: wide beams that never finished (an idle beam yielded its blocks and
+took them straight back), best_of's cumulative outputs that held every sample, and seeded samples whose tokens
+changed with the drafts the token budget left them."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def requests(draw):
     kind = draw(st.sampled_from(["greedy", "samples", "best_of", "beams"]))
     common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
     if kind != "beams":  # what keeps a request off speculation, or off the prefix cache (prompt logprobs)
-        common.update(logprobs=draw(st.sampled_from([None, 0, 2])), min_tokens=draw(st.integers(0, min(3, max_tokens))),
+        common.update(logprobs=draw(st.sampled_from([None, 0, 2])),
+                      min_tokens=draw(st.integers(0, min(3, max_tokens))),
                       repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
                       prompt_logprobs=draw(st.sampled_from([None, None, 1])))
     if kind == "greedy":
