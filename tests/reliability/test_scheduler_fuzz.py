@@ -1,7 +1,9 @@
 """Property-based fuzzing (hypothesis) of continuous batching through the offline engine: whatever mix of
 requests (lengths, greedy, seeded samples, best_of, beams wider than the pool; logprobs, penalties, min_tokens,
-prompt logprobs; priorities, arrivals mid-batch, aborts) meets whatever small KV pool and scheduling options
-(capacity policy, FCFS or priority, chunked prefill, prefix caching, n-gram speculation), every request ends
+prompt logprobs, stop strings; streamed as deltas, cumulative or final only; adapters; priorities, arrivals
+mid-batch, aborts) meets whatever small KV pool and scheduling options
+(capacity policy, FCFS or priority, chunked prefill, prefix caching, n-gram speculation, LoRA with fewer slots
+than adapters), every request ends
 within a bounded number of steps with the tokens it gets alone on an ample pool without speculation, and every
 block is back in the pool. What it found: wide beams that never finished (an idle beam yielded its blocks and
 took them straight back), best_of's cumulative outputs that held every sample, and seeded samples whose tokens
@@ -14,12 +16,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_all_blocks_free, random_prompts
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.tiny_model import make_lora_adapter
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 128  # 8 blocks of 16: the smallest pool drawn (10 blocks) still holds any one sequence
 BASE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
+NUM_ADAPTERS = 3
 
 
 @st.composite
@@ -30,7 +35,13 @@ def requests(draw):
     kind = draw(st.sampled_from(["greedy", "samples", "best_of", "beams"]))
     common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
     if kind != "beams":  # what keeps a request off speculation, or off the prefix cache (prompt logprobs)
-        common.update(logprobs=draw(st.sampled_from([None, 0, 2])),
+        # streamed as deltas (as Triton streams), whole so far, or at the end only (best_of > n cannot stream)
+        kinds = list(RequestOutputKind)
+        if kind == "best_of":
+            kinds.remove(RequestOutputKind.DELTA)
+        common.update(output_kind=draw(st.sampled_from(kinds)),
+                      stop=draw(st.sampled_from([[], [], ["e"], ["an", "o"]])),
+                      logprobs=draw(st.sampled_from([None, 0, 2])),
                       min_tokens=draw(st.integers(0, min(3, max_tokens))),
                       repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
                       prompt_logprobs=draw(st.sampled_from([None, None, 1])))
@@ -46,7 +57,8 @@ def requests(draw):
         params = SamplingParams(beam_width=width, n=width, temperature=0, **common)
     abort_at = draw(st.none() | st.integers(0, 30))
     return dict(prompt=random_prompts([prompt_len], seed=draw(st.integers(0, 10 ** 6)))[0], params=params,
-                priority=draw(st.integers(-2, 2)), arrive_at=draw(st.integers(0, 12)), abort_at=abort_at)
+                priority=draw(st.integers(-2, 2)), arrive_at=draw(st.integers(0, 12)), abort_at=abort_at,
+                adapter=draw(st.none() | st.integers(0, NUM_ADAPTERS - 1)))  # used where the engine has LoRA
 
 
 engine_options = st.fixed_dictionaries({
@@ -58,12 +70,14 @@ engine_options = st.fixed_dictionaries({
     "max_num_batched_tokens": st.sampled_from([32, 128, 512]),
     "max_num_seqs": st.sampled_from([4, 16, 64]),
     "speculative_config": st.none() | st.just({"method": "ngram", "num_speculative_tokens": 3}),
+    "max_loras": st.sampled_from([0, 0, 1, 2]),  # 0: LoRA off; else adapters running at once, at most
 })
 
 
-def _alone(reference, request: dict) -> list[list[int]]:
+def _alone(reference, request: dict, lora) -> list[list[int]]:
     """The request's sequences' tokens when it runs alone on an ample pool."""
-    out = reference.generate([{"prompt_token_ids": request["prompt"]}], request["params"], use_tqdm=False)[0]
+    out = reference.generate([{"prompt_token_ids": request["prompt"]}], request["params"], use_tqdm=False,
+                             lora_request=lora)[0]
     return [c.token_ids for c in out.outputs]
 
 
@@ -74,51 +88,88 @@ def _step_bound(reqs: list[dict]) -> int:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """An ample pool, no speculation (verification draws a seeded sample's tokens as plain decoding does)."""
-    return LLM(model_dir("llama"), kv_cache_memory_bytes=64 << 20, **BASE)
+    """reference(lora) -> an ample pool, no speculation (verification draws a seeded sample's tokens as plain
+    decoding does), with LoRA (a slot for every adapter) or without."""
+    made = {}
+
+    def get(lora: bool):
+        if lora not in made:
+            extra = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=8) if lora else {}
+            made[lora] = LLM(model_dir("llama"), kv_cache_memory_bytes=64 << 20, **BASE, **extra)
+        return made[lora]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    out = []
+    for k in range(NUM_ADAPTERS):
+        path = make_lora_adapter(model_dir("llama"), str(tmp_path_factory.mktemp(f"fuzz_lora{k}")), rank=8, seed=k)
+        out.append(LoRARequest(f"fuzz{k}", k + 1, path))
+    return out
 
 
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(options=engine_options, reqs=st.lists(requests(), min_size=1, max_size=6))
-def test_any_mix_of_requests_ends_with_its_tokens_and_every_block_back(model_dir, reference, options, reqs):
+def test_any_mix_of_requests_ends_with_its_tokens_and_every_block_back(model_dir, reference, adapters, options,
+                                                                       reqs):
     if options["enable_chunked_prefill"] is False:
         options = {**options, "max_num_batched_tokens": max(options["max_num_batched_tokens"], MAX_MODEL_LEN)}
+    max_loras = options.pop("max_loras")
+    if max_loras:
+        options.update(enable_lora=True, max_loras=max_loras, max_lora_rank=8)
+    lora_of = {i: adapters[r["adapter"]] if max_loras and r["adapter"] is not None else None
+               for i, r in enumerate(reqs)}
     llm = LLM(model_dir("llama"), **BASE, **options)
     engine = llm.engine
     ids: dict[int, str] = {}  # request index -> its id, once added
-    finals: dict[str, list[list[int]]] = {}
-    refused, aborted = set(), set()
+    got: dict[str, dict[int, list[int]]] = {}  # request id -> each sequence's tokens as its outputs tell them
+    refused, aborted, index_of = set(), set(), {}
     step, bound = 0, _step_bound(reqs)
     while len(ids) + len(refused) < len(reqs) or engine.has_unfinished_requests():
         for i, r in enumerate(reqs):
             if r["arrive_at"] == step:
                 prompt = {"prompt_token_ids": r["prompt"]}
+                kw = dict(priority=r["priority"], lora_request=lora_of[i])
                 if r["params"].num_sequences > options["max_num_seqs"]:
                     with pytest.raises(ValueError, match="max_num_seqs"):
-                        engine.add_request(prompt, r["params"], priority=r["priority"])
+                        engine.add_request(prompt, r["params"], **kw)
                     refused.add(i)
                     continue
-                ids[i] = engine.add_request(prompt, r["params"], priority=r["priority"])
+                ids[i] = engine.add_request(prompt, r["params"], **kw)
+                index_of[ids[i]] = i
             if i in ids and r["abort_at"] is not None and r["arrive_at"] + r["abort_at"] == step:
                 out = engine.abort_request(ids[i])
                 if out is not None:  # it was still running: its tokens so far
                     aborted.add(i)
-                    finals[ids[i]] = [c.token_ids for c in out.outputs]
+                    _collect(got, out, r["params"])
         for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = [c.token_ids for c in out.outputs]
+            _collect(got, out, reqs[index_of[out.request_id]]["params"])
         step += 1
         assert step <= bound, f"still running after {step} steps ({llm.get_stats().num_preemptions} preemptions)"
     assert_all_blocks_free(llm)
     event(f"preempted: {llm.get_stats().num_preemptions > 0}")
     event(f"aborted while running: {bool(aborted)}")
+    event(f"adapters in use: {len({lora_of[i].lora_int_id for i in ids if lora_of[i] is not None})}, "
+          f"slots: {max_loras}")
     for i, r in enumerate(reqs):
         if i in refused:
             continue
-        alone = _alone(reference, r)
+        alone = _alone(reference(bool(max_loras)), r, lora_of[i])
+        mine = [got[ids[i]][k] for k in sorted(got.get(ids[i], {}))]
         if i not in aborted:
-            assert finals[ids[i]] == alone, (i, r)
+            assert mine == alone, (i, r)
         elif r["params"].beam_width == 1 and r["params"].best_of is None:  # a beam's or best-of's may yet change
-            for got, whole in zip(finals[ids[i]], alone):
-                assert got == whole[:len(got)], (i, r)
+            for part, whole in zip(mine, alone):
+                assert part == whole[:len(part)], (i, r)
+
+
+def _collect(got: dict, out, params: SamplingParams) -> None:
+    """Each sequence's tokens from one output: deltas add up; a cumulative or final output holds them all."""
+    seqs = got.setdefault(out.request_id, {})
+    if params.output_kind != RequestOutputKind.DELTA:
+        seqs.clear()
+    for c in out.outputs:
+        seqs[c.index] = seqs.get(c.index, []) + list(c.token_ids)
