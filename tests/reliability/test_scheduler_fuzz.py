@@ -1,13 +1,12 @@
-"""Property-based fuzzing (hypothesis) of continuous batching through the offline engine: whatever mix of
-requests (lengths, greedy, seeded samples, best_of, beams wider than the pool; logprobs, penalties, min_tokens,
-prompt logprobs, stop strings; streamed as deltas, cumulative or final only; adapters; priorities, arrivals
-mid-batch, aborts) meets whatever small KV pool and scheduling options
-(capacity policy, FCFS or priority, chunked prefill, prefix caching, n-gram speculation, LoRA with fewer slots
-than adapters), every request ends
-within a bounded number of steps with the tokens it gets alone on an ample pool without speculation, and every
-block is back in the pool. What it found: wide beams that never finished (an idle beam yielded its blocks and
-took them straight back), best_of's cumulative outputs that held every sample, and seeded samples whose tokens
-changed with the drafts the token budget left them."""
+"""Property-based fuzzing (hypothesis) of continuous batching through the offline engine: whatever mix of requests
+(lengths, greedy, seeded samples, best_of, beams wider than the pool; logprobs, penalties, min_tokens, prompt
+logprobs, stop strings; streamed as deltas, cumulative or final only; adapters; priorities, arrivals mid-batch,
+aborts) meets whatever small KV pool and scheduling options (capacity policy, FCFS or priority, chunked prefill,
+prefix caching, n-gram speculation, LoRA with fewer slots than adapters), every request ends within a bounded
+number of steps with the tokens it gets alone on an ample pool without speculation, and every block is back in the
+pool. What it found: wide beams that never finished (an idle beam yielded its blocks and took them straight back),
+best_of's cumulative outputs that held every sample, and seeded samples whose tokens changed with the drafts the
+token budget left them."""
 
 from __future__ import annotations
 
