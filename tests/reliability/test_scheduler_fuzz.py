@@ -1,12 +1,12 @@
 """Property-based fuzzing (hypothesis) of continuous batching through the offline engine: whatever mix of requests
 (lengths, greedy, seeded samples, best_of, beams wider than the pool; logprobs, penalties, min_tokens, prompt
-logprobs, stop strings; streamed as deltas, cumulative or final only; adapters; priorities, arrivals mid-batch,
-aborts) meets whatever small KV pool and scheduling options (capacity policy, FCFS or priority, chunked prefill,
-prefix caching, n-gram speculation, LoRA with fewer slots than adapters), every request ends within a bounded
-number of steps with the tokens it gets alone on an ample pool without speculation, and every block is back in the
-pool. What it found: wide beams that never finished (an idle beam yielded its blocks and took them straight back),
-best_of's cumulative outputs that held every sample, and seeded samples whose tokens changed with the drafts the
-token budget left them."""
+logprobs, stop strings, grammars; streamed as deltas, cumulative or final only; adapters; priorities, arrivals
+mid-batch, aborts) meets whatever small KV pool and scheduling options (capacity policy, FCFS or priority, chunked
+prefill, prefix caching, n-gram speculation, LoRA with fewer slots than adapters), every request ends within a
+bounded number of steps with the tokens it gets alone on an ample pool without speculation, and every block is
+back in the pool. What it found: wide beams that never finished (an idle beam yielded its blocks and took them
+straight back), best_of's cumulative outputs that held every sample, and seeded samples whose tokens changed with
+the drafts the token budget left them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.tiny_model import make_lora_adapter
 
 pytestmark = pytest.mark.slow
@@ -24,6 +24,11 @@ pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 128  # 8 blocks of 16: the smallest pool drawn (10 blocks) still holds any one sequence
 BASE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
 NUM_ADAPTERS = 3
+GRAMMARS = st.sampled_from([
+    StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
+    StructuredOutputsParams(regex="[a-z]{2,12}( [0-9]+)?"),
+    StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}}),
+])
 
 
 @st.composite
@@ -31,7 +36,7 @@ def requests(draw):
     """One request: its prompt, parameters, priority, the step it arrives at and the step it is aborted at."""
     prompt_len = draw(st.integers(1, 100))
     max_tokens = draw(st.integers(1, min(40, MAX_MODEL_LEN - prompt_len)))
-    kind = draw(st.sampled_from(["greedy", "samples", "best_of", "beams"]))
+    kind = draw(st.sampled_from(["greedy", "samples", "best_of", "beams", "constrained"]))
     common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
     if kind != "beams":  # what keeps a request off speculation, or off the prefix cache (prompt logprobs)
         # streamed as deltas (as Triton streams), whole so far, or at the end only (best_of > n cannot stream)
@@ -46,6 +51,10 @@ def requests(draw):
                       prompt_logprobs=draw(st.sampled_from([None, None, 1])))
     if kind == "greedy":
         params = SamplingParams(temperature=0, **common)
+    elif kind == "constrained":  # a grammar: one sequence, never speculated
+        common.update(min_tokens=0, ignore_eos=False)  # the grammar decides where the output ends
+        params = SamplingParams(temperature=draw(st.sampled_from([0, 1.0])), seed=draw(st.integers(0, 99)),
+                                structured_outputs=draw(GRAMMARS), **common)
     elif kind == "samples":
         params = SamplingParams(n=draw(st.integers(2, 6)), temperature=1.0, seed=draw(st.integers(0, 99)), **common)
     elif kind == "best_of":
