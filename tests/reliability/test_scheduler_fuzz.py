@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 128  # 8 blocks of 16: the smallest pool drawn (10 blocks) still holds any one sequence
 BASE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
 NUM_ADAPTERS = 3
+FILTERS = st.sampled_from([{}, {}, {"top_k": 5}, {"top_p": 0.8}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9}])
 GRAMMARS = st.sampled_from([
     StructuredOutputsParams(choice=["yes", "no", "maybe not"]),
     StructuredOutputsParams(regex="[a-z]{2,12}( [0-9]+)?"),
@@ -35,7 +36,8 @@ GRAMMARS = st.sampled_from([
 def requests(draw):
     """One request: its prompt, parameters, priority, the step it arrives at and the step it is aborted at."""
     prompt_len = draw(st.integers(1, 100))
-    max_tokens = draw(st.integers(1, min(40, MAX_MODEL_LEN - prompt_len)))
+    # mostly short; some long enough for the random model to fall into loops, which prompt lookup then predicts
+    max_tokens = draw(st.integers(1, min(draw(st.sampled_from([40, 40, 100])), MAX_MODEL_LEN - prompt_len)))
     kind = draw(st.sampled_from(["greedy", "samples", "best_of", "beams", "constrained"]))
     common = dict(max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
     if kind != "beams":  # what keeps a request off speculation, or off the prefix cache (prompt logprobs)
@@ -45,9 +47,9 @@ def requests(draw):
             kinds.remove(RequestOutputKind.DELTA)
         common.update(output_kind=draw(st.sampled_from(kinds)),
                       stop=draw(st.sampled_from([[], [], ["e"], ["an", "o"]])),
-                      logprobs=draw(st.sampled_from([None, 0, 2])),
-                      min_tokens=draw(st.integers(0, min(3, max_tokens))),
-                      repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
+                      logprobs=draw(st.sampled_from([None, None, 0, 2])),
+                      min_tokens=draw(st.sampled_from([0, 0, min(3, max_tokens)])),
+                      repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
                       prompt_logprobs=draw(st.sampled_from([None, None, 1])))
     if kind == "greedy":
         params = SamplingParams(temperature=0, **common)
@@ -55,8 +57,9 @@ def requests(draw):
         common.update(min_tokens=0, ignore_eos=False)  # the grammar decides where the output ends
         params = SamplingParams(temperature=draw(st.sampled_from([0, 1.0])), seed=draw(st.integers(0, 99)),
                                 structured_outputs=draw(GRAMMARS), **common)
-    elif kind == "samples":
-        params = SamplingParams(n=draw(st.integers(2, 6)), temperature=1.0, seed=draw(st.integers(0, 99)), **common)
+    elif kind == "samples":  # n of 1 too: a lone seeded sample, the kind speculation serves
+        params = SamplingParams(n=draw(st.integers(1, 6)), temperature=draw(st.sampled_from([0.7, 1.0])),
+                                seed=draw(st.integers(0, 99)), **draw(FILTERS), **common)
     elif kind == "best_of":
         params = SamplingParams(n=1, best_of=draw(st.integers(2, 4)), temperature=1.0,
                                 seed=draw(st.integers(0, 99)), **common)
@@ -64,7 +67,10 @@ def requests(draw):
         width = draw(st.integers(2, 12))
         params = SamplingParams(beam_width=width, n=width, temperature=0, **common)
     abort_at = draw(st.none() | st.integers(0, 30))
-    return dict(prompt=random_prompts([prompt_len], seed=draw(st.integers(0, 10 ** 6)))[0], params=params,
+    prompt = random_prompts([prompt_len], seed=draw(st.integers(0, 10 ** 6)))[0]
+    if draw(st.booleans()):  # a prompt that repeats itself: prompt lookup finds drafts, and some are accepted
+        prompt = (prompt * (1 + 24 // prompt_len))[:max(prompt_len, 24)][:MAX_MODEL_LEN - max_tokens]
+    return dict(prompt=prompt, params=params,
                 priority=draw(st.integers(-2, 2)), arrive_at=draw(st.integers(0, 12)), abort_at=abort_at,
                 adapter=draw(st.none() | st.integers(0, NUM_ADAPTERS - 1)))  # used where the engine has LoRA
 
@@ -118,11 +124,47 @@ def adapters(model_dir, tmp_path_factory):
     return out
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def speculated_requests(draw):
+    """Requests that prompt lookup serves: greedy or lone seeded samples (with top-k / top-p / min-p), prompts
+    that repeat themselves, outputs long enough for the random model to loop."""
+    prompt_len = draw(st.integers(2, 30))
+    prompt = random_prompts([prompt_len], seed=draw(st.integers(0, 10 ** 6)))[0] * draw(st.integers(1, 3))
+    max_tokens = draw(st.integers(1, MAX_MODEL_LEN - len(prompt)))
+    sampled = draw(st.booleans())
+    params = SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0])) if sampled else 0,
+                            seed=draw(st.integers(0, 99)) if sampled else None,
+                            **(draw(FILTERS) if sampled else {}), max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=draw(st.sampled_from(list(RequestOutputKind))))
+    return dict(prompt=prompt, params=params, priority=draw(st.integers(-1, 1)), arrive_at=draw(st.integers(0, 20)),
+                abort_at=draw(st.none() | st.integers(0, 60)), adapter=None)
+
+
+@SETTINGS
 @given(options=engine_options, reqs=st.lists(requests(), min_size=1, max_size=6))
 def test_any_mix_of_requests_ends_with_its_tokens_and_every_block_back(model_dir, reference, adapters, options,
                                                                        reqs):
+    run_mix(model_dir, reference, adapters, options, reqs)
+
+
+@settings(SETTINGS, max_examples=80)
+@given(options=engine_options.map(lambda o: {**o, "speculative_config": {"method": "ngram",
+                                                                          "num_speculative_tokens": 3}}),
+       reqs=st.lists(speculated_requests(), min_size=1, max_size=6))
+def test_speculation_under_any_load_gives_the_tokens_of_plain_decoding(model_dir, reference, adapters, options,
+                                                                       reqs):
+    """However the token budget, preemption and other requests trim a request's drafts, greedy and seeded
+    requests get the tokens of plain decoding."""
+    run_mix(model_dir, reference, adapters, options, reqs)
+
+
+def run_mix(model_dir, reference, adapters, options: dict, reqs: list[dict]) -> None:
+    """Run the requests on an engine with these options, each arriving (and aborted) at its step, to the end;
+    then check the step bound, the pool and each request's tokens against the same request alone."""
     if options["enable_chunked_prefill"] is False:
         options = {**options, "max_num_batched_tokens": max(options["max_num_batched_tokens"], MAX_MODEL_LEN)}
     max_loras = options.pop("max_loras")
@@ -160,6 +202,8 @@ def test_any_mix_of_requests_ends_with_its_tokens_and_every_block_back(model_dir
     assert_all_blocks_free(llm)
     event(f"preempted: {llm.get_stats().num_preemptions > 0}")
     event(f"aborted while running: {bool(aborted)}")
+    if options["speculative_config"]:
+        event(f"drafts accepted: {llm.get_stats().spec_decode_num_accepted_tokens > 0}")
     event(f"adapters in use: {len({lora_of[i].lora_int_id for i in ids if lora_of[i] is not None})}, "
           f"slots: {max_loras}")
     for i, r in enumerate(reqs):
