@@ -74,7 +74,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
-    max_queue_size: int | None = None  # waiting requests beyond this are rejected ("overloaded")
+    max_queue_size: int | None = None  # new requests beyond this many waiting (never admitted) are rejected
     # How admission spends the KV pool (TensorRT-LLM's capacity scheduler policies):
     # "max_utilization": a request is admitted while its next chunk fits; when running requests outgrow the
     #   pool, some are preempted and later recomputed (vLLM's way, the default).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm.engine.request import Request
-from pagedllm.engine.sampler import Sampler
+from pagedllm.engine.sampler import Sampler, processed_probs
 from pagedllm.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.6, 1.5, 1.0, 0.4, 0.0, -0.5, -3.0]
@@ -113,3 +113,14 @@ def test_another_filter_order_would_be_rejected():
     assert chi_square_ok(counts, right)
     for wrong in wrongs:
         assert not np.allclose(right, wrong) and not chi_square_ok(counts, wrong)
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_top_p_row():
+    """Batched with a top-p row, a row without top-p keeps the tokens past where its float running sum rounds to 1
+    (they were masked), so its draws do not depend on what else is in the batch."""
+    logits = torch.tensor([[30.0, 0.0, -1.0, -2.0]])  # a tail of ~1e-13: the running sum is 1.0 in fp32 before it
+    plain, nucleus = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)
+    alone = processed_probs(logits, [plain])
+    beside = processed_probs(torch.cat([logits, logits]), [plain, nucleus])
+    assert (alone[0] > 0).all() and torch.equal(beside[0], alone[0])
+    assert (beside[1] > 0).tolist() == [True, False, False, False]

@@ -128,6 +128,22 @@ def test_abort_frees_everything_at_once_and_bounded_queue_rejects():
         r.set_status(RequestStatus.RUNNING)  # a finished request stays finished
 
 
+def test_bounded_queue_counts_only_requests_never_admitted():
+    """A request preempted back into the waiting queue (or a beam parked there while its group chooses) was
+    admitted once: max_queue_size bounds new requests, so it does not take a new one's place."""
+    sched, kv = make_sched(num_blocks=7, budget=64, queue=1)  # 6 usable blocks
+    a, b = make_req("a", 8), make_req("b", 8)
+    sched.add_request(a)
+    run_step(sched)
+    sched.add_request(b)
+    for _ in range(6):
+        run_step(sched)
+    assert b.status == RequestStatus.PREEMPTED and len(sched.waiting) == 1
+    sched.add_request(make_req("c", 3))  # the queue holds b, preempted: c is the only new one
+    with pytest.raises(QueueFullError, match="overloaded: 1 requests waiting"):
+        sched.add_request(make_req("d", 3))
+
+
 def test_prefix_hits_share_blocks_by_ref_count():
     sched, kv = make_sched(num_blocks=20)
     shared = [100 + i for i in range(9)]

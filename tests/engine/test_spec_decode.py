@@ -1,6 +1,7 @@
 """Speculative decoding with the n-gram proposer: greedy outputs identical to plain decoding (stops and
-max_tokens inside accepted runs, preemption, abort, prefix caching), the rejection rule preserves the target
-distribution (chi-square), and no KV block leaks."""
+max_tokens inside accepted runs, preemption, abort, prefix caching), verification under sampling preserves the
+target distribution (chi-square) and gives a seeded request the tokens of plain decoding, and no KV block
+leaks."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import Request
+from pagedllm.engine.sampler import Sampler
 from pagedllm.engine.spec_decode.ngram import NgramProposer
 from pagedllm.engine.spec_decode.verifier import verify
 from pagedllm.tiny_model import first_layers_model
@@ -95,9 +97,10 @@ def _chi_square(counts, probs, n):
     return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
-    """Emitted first tokens, over many draws with a fixed draft, must follow the target's distribution
-    (chi-square, 5 degrees of freedom, critical value 20.5 at p = 0.001); always accepting fails it."""
+def test_ngram_verification_under_sampling_preserves_the_target_distribution():
+    """Emitted first tokens, over many draws with a fixed (point-mass) draft, must follow the target's
+    distribution (chi-square, 5 degrees of freedom, critical value 20.5 at p = 0.001); always accepting fails
+    it."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5], [0.3, 0.2, 0.1, 0.0, 0.4, 0.5]])
     params = SamplingParams(temperature=1.0)
     target = torch.softmax(logits[0], -1).tolist()
@@ -116,6 +119,21 @@ def test_rejection_sampling_preserves_the_target_distribution():
     assert _chi_square(always_accept, target, n) > 20.5
 
 
+@pytest.mark.parametrize("controls", [{}, {"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.3}])
+def test_seeded_ngram_verification_emits_what_the_sampler_draws(controls):
+    """For a seeded request, verification emits position by position the tokens the plain sampler draws from the
+    same logits: all drafts right, all are accepted; a wrong one (under top-k, a token of probability 0) ends the
+    run with the sampler's token in its place."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40)
+    params = SamplingParams(temperature=0.9, seed=123, **controls)
+    sampler, req = Sampler(seed=0), _request(params)
+    drawn = [sampler(logits[i:i + 1], [req])[0].token_id for i in range(5)]
+    assert verify(logits, drawn[:4], _request(params), torch.Generator()) == drawn
+    wrong = int(logits[2].argmin()) if drawn[2] != int(logits[2].argmin()) else int(logits[2].argmax())
+    assert verify(logits, drawn[:2] + [wrong, drawn[3]], _request(params), torch.Generator()) == drawn[:3]
+
+
 def test_seeded_sampling_with_speculation_gives_the_tokens_of_plain_decoding(model_dir):
     """Verification draws a seeded request's token at each position as the plain sampler would, so its tokens do
     not depend on how many drafts each step held (a tight token budget trims them) or on speculation at all."""
@@ -130,6 +148,7 @@ def test_seeded_sampling_with_speculation_gives_the_tokens_of_plain_decoding(mod
     assert run(spec, prompts, params) == expected
     assert run(trimmed, prompts, params) == expected
     assert spec.get_stats().spec_decode_num_accepted_tokens > 0
+    assert trimmed.get_stats().spec_decode_num_accepted_tokens > 0
     assert_all_blocks_free(spec)
     assert_all_blocks_free(trimmed)
 

@@ -57,7 +57,9 @@ class SampleGroup:
 
     def merge(self, out: RequestOutput) -> RequestOutput | None:
         """The caller's output for one sample's output, per the caller's output kind: every sample's delta as it
-        comes (its `index` says whose), everything so far, or all samples once every one has finished."""
+        comes (its `index` says whose), every sample so far, or all samples once every one has finished. Under
+        best_of > n the last two hold the n best (by cumulative logprob so far), and `index` is then a rank: from
+        one cumulative output to the next it may name another sample."""
         i = self.index[out.request_id]
         c = dataclasses.replace(out.outputs[0], index=i)
         if self.params.logprobs is None:  # computed for ranking only

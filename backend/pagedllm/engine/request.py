@@ -169,6 +169,7 @@ class Request:
         child.spec_token_ids, child.spec_draft_probs = [], None
         child.prompt_logprobs = None
         child.seqs_to_reserve = 1
+        child.waits_for_group = False  # it has its own row to compute
         child.generator = None  # beams do not sample
         return child
 

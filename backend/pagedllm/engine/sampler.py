@@ -71,16 +71,17 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         probs = processed_probs(logits, [r.sampling_params for r in reqs])
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. A seeded row's noise is its
-        # generator's next V draws, as in `race` (speculative verification draws a seeded request's tokens there).
-        noise = torch.empty_like(probs)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p. Unseeded rows share the engine's
+        # generator; a seeded row draws from its own (`race`, as speculative verification draws it too).
+        tokens = torch.empty(len(reqs), dtype=torch.long)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            noise = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            tokens[unseeded] = (probs[unseeded] / noise).argmax(dim=-1)
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+                tokens[i] = race(probs[i], r.generator)
+        return tokens
 
     def _logprobs(self, raw: torch.Tensor | None, wants: list[int], token_ids: torch.Tensor,
                   reqs: list[Request]) -> list[SampledToken]:
@@ -120,8 +121,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def race(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw from a row of (unnormalised) probabilities, as `Sampler` draws a seeded row: argmax(p / E) with
-    E ~ Exp(1), the generator's next V draws."""
+    """One draw from a row of (unnormalised) probabilities: argmax(p / E) with E ~ Exp(1), the generator's next V
+    draws."""
     return int((probs / torch.empty_like(probs).exponential_(generator=generator)).argmax())
 
 
@@ -145,6 +146,9 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     mask = torch.arange(vocab).unsqueeze(0) >= ks
     probs = torch.softmax(sorted_logits.masked_fill(mask, -float("inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass strictly above each token
-    mask |= before >= torch.tensor(top_ps).unsqueeze(1)  # the first token is always kept (before == 0)
+    top_p = torch.tensor(top_ps).unsqueeze(1)
+    # The first token is always kept (before == 0); a row without top-p keeps its tail even where the float
+    # running sum rounds to 1 (so its draws do not depend on a top-p row beside it in the batch).
+    mask |= (before >= top_p) & (top_p < 1.0)
     sorted_logits = sorted_logits.masked_fill(mask, -float("inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -75,11 +75,16 @@ class Scheduler:
 
     # --- admission / removal ------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if self.config.max_queue_size is not None and len(self.waiting) >= self.config.max_queue_size:
-            raise QueueFullError(
-                f"overloaded: {len(self.waiting)} requests waiting (max_queue_size={self.config.max_queue_size})")
+        limit = self.config.max_queue_size
+        if limit is not None and len(self.waiting) >= limit and self._num_queued() >= limit:
+            raise QueueFullError(f"overloaded: {self._num_queued()} requests waiting (max_queue_size={limit})")
         self.requests[req.request_id] = req
         self.waiting.add(req)
+
+    def _num_queued(self) -> int:
+        """Waiting requests never admitted: what max_queue_size bounds (preempted ones, and beams parked while
+        their group chooses, were admitted once)."""
+        return sum(1 for r in self.waiting if r.first_scheduled_time is None)
 
     def add_fork(self, child: Request, parent: Request) -> None:
         """A sequence forked from `parent` (engine.request_groups): it runs beside its parent on the blocks it
