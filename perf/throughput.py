@@ -122,7 +122,7 @@ def main() -> None:
             medians = {}
             for engine, (warmup, rates) in _cell_runs(workers, prompts, max_tokens, i, args).items():
                 medians[engine] = statistics.median(rates)
-                emit({**cell, "engine": engine, "warmup_s": round(warmup, 2),
+                emit({**cell, "engine": engine, "warmup_s": round(warmup, 4),
                       "runs_tokens_per_s": [round(r, 1) for r in rates],
                       "steady_state_tokens_per_s": round(medians[engine], 1)})
             if "vllm" in medians and "pagedllm" in medians:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from conftest import assert_all_blocks_free, random_prompts
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from pagedllm.tiny_model import make_lora_adapter
+from pagedllm.tiny_model import first_layers_model, make_lora_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -162,9 +162,27 @@ def test_speculation_under_any_load_gives_the_tokens_of_plain_decoding(model_dir
     run_mix(model_dir, reference, adapters, options, reqs)
 
 
-def run_mix(model_dir, reference, adapters, options: dict, reqs: list[dict]) -> None:
+@pytest.fixture(scope="module")
+def draft_dir(model_dir, tmp_path_factory):
+    return first_layers_model(model_dir("llama"), str(tmp_path_factory.mktemp("fuzz_draft")), 1)
+
+
+@settings(SETTINGS, max_examples=60)
+@given(options=engine_options, reqs=st.lists(speculated_requests(), min_size=1, max_size=6))
+def test_a_draft_model_under_any_load_finishes_everything(model_dir, reference, adapters, draft_dir, options, reqs):
+    """A draft model (its own small block pool) under any budget, pool and load: greedy requests get the tokens of
+    plain decoding; sampled ones (rejection-sampled drafts: other tokens, the same distribution) their full length;
+    both pools end empty."""
+    options = {**options, "speculative_config": {"method": "draft_model", "model": draft_dir,
+                                                 "num_speculative_tokens": 3}}
+    llm = run_mix(model_dir, reference, adapters, options, reqs, exact=lambda r: r["params"].temperature == 0)
+    assert llm.engine.proposer.kv.all_free()
+
+
+def run_mix(model_dir, reference, adapters, options: dict, reqs: list[dict], exact=lambda r: True) -> LLM:
     """Run the requests on an engine with these options, each arriving (and aborted) at its step, to the end;
-    then check the step bound, the pool and each request's tokens against the same request alone."""
+    then check the step bound, the pool and each request's tokens against the same request alone (for requests
+    that are not `exact`, their lengths). Returns the engine."""
     if options["enable_chunked_prefill"] is False:
         options = {**options, "max_num_batched_tokens": max(options["max_num_batched_tokens"], MAX_MODEL_LEN)}
     max_loras = options.pop("max_loras")
@@ -211,11 +229,16 @@ def run_mix(model_dir, reference, adapters, options: dict, reqs: list[dict]) -> 
             continue
         alone = _alone(reference(bool(max_loras)), r, lora_of[i])
         mine = [got[ids[i]][k] for k in sorted(got.get(ids[i], {}))]
+        if not exact(r):
+            if i not in aborted:
+                assert [len(t) for t in mine] == [len(t) for t in alone], (i, r)
+            continue
         if i not in aborted:
             assert mine == alone, (i, r)
         elif r["params"].beam_width == 1 and r["params"].best_of is None:  # a beam's or best-of's may yet change
             for part, whole in zip(mine, alone):
                 assert part == whole[:len(part)], (i, r)
+    return llm
 
 
 def _collect(got: dict, out, params: SamplingParams) -> None:
