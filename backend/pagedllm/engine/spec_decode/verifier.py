@@ -1,19 +1,19 @@
 """Verification of draft tokens against the target model's distributions at the k+1 drafted positions.
 
-Greedy: drafts are accepted while they equal the target's argmax; the first mismatch is replaced by the
-argmax (or, all accepted, the argmax after the last draft is added).
+Greedy: drafts are accepted while they equal the target's argmax; the first mismatch is replaced by the argmax
+(or, all accepted, the argmax after the last draft is added).
 
-Sampling with drafts that are point masses (the n-gram proposer's): position by position the
-target draws its own token exactly as the plain sampler would (the same exponential race, from the same
-generator), and a draft is accepted while it is that token; the first other token is emitted and verification
-stops. A draft d_i is thus accepted with probability p_i(d_i), as rejection sampling would accept it, the emitted
-tokens are distributed exactly as the target's, and a seeded request draws one noise row per emitted token: its
-tokens are those it gets without speculation, however many drafts each step held (the token budget trims them).
+Sampling with drafts that are point masses (the n-gram proposer's): position by position the target draws its
+own token exactly as the plain sampler would (the same exponential race, from the same generator), and a draft
+is accepted while it is that token; the first other token is emitted and verification stops. A draft d_i is thus
+accepted with probability p_i(d_i), as rejection sampling would accept it, the emitted tokens are distributed
+exactly as the target's, and a seeded request draws one noise row per emitted token: its tokens are those it
+gets without speculation, however many drafts each step held (the token budget trims them).
 
 A draft model's drafts (sampled with the request's parameters, draft probabilities q_i): standard rejection
-sampling, so a seeded request's tokens there depend on the drafts. Draft d_i
-is accepted with probability min(1, p_i(d_i) / q_i(d_i)); on rejection the token is drawn from
-normalize(max(p_i - q_i, 0)) and verification stops.
+sampling, so a seeded request's tokens there depend on the drafts. Draft d_i is accepted with probability
+min(1, p_i(d_i) / q_i(d_i)); on rejection the token is drawn from normalize(max(p_i - q_i, 0)) and verification
+stops.
 """
 
 from __future__ import annotations
