@@ -1,12 +1,15 @@
-"""Served throughput and latency under load, pagedllm through the real tritonserver and, with --with-vllm,
-`vllm serve` (its CPU build, OpenAI API), driven by one asyncio client at concurrency 1, 8, 32 and 64.
+"""Served throughput and latency under load: pagedllm through the real tritonserver, both ways a client reaches
+it (Triton's own SSE `generate_stream`, and `pagedllm openai` in front of that Triton, as `pagedllm serve` runs
+it) and, with --with-vllm, `vllm serve` (its CPU build, OpenAI API), driven by one asyncio client at
+concurrency 1, 8, 32 and 64.
 
     .venv/bin/python perf/serving.py --with-vllm            # 125M Llama, bf16, 2 rounds per engine
-    .venv/bin/python perf/serving.py --quick                # tiny model, pagedllm only (smoke test, GPU check)
+    .venv/bin/python perf/serving.py --quick                # tiny model, pagedllm through Triton only (smoke test)
     .venv/bin/python perf/plots.py                          # PNGs in perf/figures from the last run
 
-The client (aiohttp, one event loop) streams Server-Sent Events from both: Triton's
-`/v2/models/pagedllm/generate_stream` and vLLM's `/v1/completions` with `stream: true`. Every request asks for
+The client (aiohttp, one event loop) streams Server-Sent Events from each: Triton's
+`/v2/models/pagedllm/generate_stream`, and `/v1/completions` with `stream: true` from our OpenAI front end
+and from vLLM (the same body for both). Every request asks for
 exactly --max-tokens greedy tokens (ignore_eos) after the same text prompt (random tokens of 32-256,
 decoded), 64-128 requests per level. Per level: output tokens/s over the level's wall time, TTFT p50/p99, ITL
 p50/p99 (genai-perf's definition, per request: (end - first token) / (tokens - 1); percentiles interpolated as
@@ -15,15 +18,16 @@ shares the 2 cores with the server, so it is printed to show it stays small).
 
 Each engine gets its own server with the same model, dtype, max_model_len, max_num_seqs (64) and KV space
 (1 GiB), started fresh for each round and warmed up with one untimed wave; vLLM runs with its CPU docs' setup
-(tcmalloc and Intel OpenMP preloaded, threads bound). Rounds alternate which engine goes first; each
-figure is the median over rounds, and the ratios are pagedllm / vLLM (throughput: higher is better;
-latencies: lower is better).
+(tcmalloc and Intel OpenMP preloaded, threads bound). Rounds alternate the engines' order (forward, then
+reversed); each figure is the median over rounds, and the ratios are each of ours / vLLM (throughput: higher is
+better; latencies: lower is better).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -66,6 +70,38 @@ class PagedServer:
 
     def stop(self) -> None:
         launcher.stop_server(self.run.proc)
+
+
+class PagedOpenAIServer(PagedServer):
+    """The same Triton server with `pagedllm openai` in front of it (what `pagedllm serve` runs on its
+    --openai-port), driven with the body and endpoint vLLM gets: OpenAI clients' path to us."""
+
+    name = "pagedllm-openai"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            self.frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{self.run.http_port}", 10)
+            launcher.wait_openai_ready(base, self.frontend)
+        except Exception:
+            super().stop()
+            raise
+        self.url = f"{base}/v1/completions"
+
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        return {"model": "pagedllm", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+
+    def stop(self) -> None:
+        self.frontend.terminate()
+        try:
+            self.frontend.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.frontend.kill()
+            self.frontend.wait()
+        super().stop()
 
 
 class VllmServer:
@@ -157,6 +193,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--with-vllm", action="store_true")
+    ap.add_argument("--front-ends", default=None,
+                    help="ours to drive: triton (SSE generate_stream), openai (`pagedllm openai` in front of it); "
+                         "default both (triton alone with --quick)")
     ap.add_argument("--size", default=None, help="tiny_model size (default 125m; tiny with --quick)")
     ap.add_argument("--concurrency", default=None, help="default 1,8,32,64 (1,8 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 with --quick)")
@@ -172,22 +211,27 @@ def main() -> None:
     sizes = {c: min(128, max(64, 4 * c)) if not args.quick else max(4, 2 * c) for c in levels}
     workloads = {c: make_prompts(path, n, seed=c) for c, n in sizes.items()}
     workloads["warmup"] = make_prompts(path, 8, seed=10_000)
-    servers = [PagedServer] + ([VllmServer] if args.with_vllm else [])
+    ours = {"triton": PagedServer, "openai": PagedOpenAIServer}
+    front_ends = (args.front_ends or ("triton" if args.quick else "triton,openai")).split(",")
+    servers = [ours[f] for f in front_ends] + ([VllmServer] if args.with_vllm else [])
     runs: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
         for server_class in (servers if r % 2 == 0 else servers[::-1]):
             for level in sweep(server_class, path, levels, workloads, max_tokens, r + 1):
                 runs.setdefault((level["engine"], level["concurrency"]), []).append(level)
-                # after every level, so that a run cut short still leaves perf/plots.py what it measured
-                write_samples(summarize(runs, size, max_tokens), runs)
+                # after every level, so that a run cut short still leaves perf/plots.py what it measured (a quick
+                # run leaves the last real run's samples alone)
+                if not args.quick:
+                    write_samples(summarize(runs, size, max_tokens), runs)
     for row in summarize(runs, size, max_tokens):
         emit({"median_over_rounds": True, **row})
     if args.with_vllm:
-        for c in levels:
-            ours, theirs = runs[("pagedllm-triton", c)], runs[("vllm-serve", c)]
-            emit({"concurrency": c, **{f"ratio_{m}": round(statistics.median(lv[m] for lv in ours) /
-                                                        statistics.median(lv[m] for lv in theirs), 3)
-                                       for m in METRICS if m != "client_cpu_cores"}})
+        for engine, c in itertools.product((s.name for s in servers[:-1]), levels):
+            mine, theirs = runs[(engine, c)], runs[("vllm-serve", c)]
+            emit({"engine": engine, "concurrency": c, **{
+                f"ratio_{m}": round(statistics.median(lv[m] for lv in mine) /
+                                    statistics.median(lv[m] for lv in theirs), 3)
+                for m in METRICS if m != "client_cpu_cores"}})
 
 
 def summarize(runs: dict[tuple[str, int], list[dict]], size: str, max_tokens: int) -> list[dict]:

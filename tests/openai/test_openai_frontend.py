@@ -40,7 +40,7 @@ class ScriptedBridge:
     async def close(self) -> None:
         pass
 
-    async def generate(self, request_id, sampling, params, *, prompt=None, messages=None, logprobs=False,
+    async def generate(self, sampling, params, *, prompt=None, messages=None, logprobs=False,
                        deltas=True):
         self.calls.append({"sampling": sampling, "prompt": prompt, "messages": messages, "logprobs": logprobs,
                            "deltas": deltas})

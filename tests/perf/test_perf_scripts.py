@@ -41,6 +41,15 @@ def test_quick_mode_prints_its_ratios(script, args, key):
     assert values and all(v > 0 for v in values)
 
 
+@pytest.mark.server
+def test_serving_drives_triton_and_the_openai_front_end():
+    records = run("serving.py", "--quick", "--front-ends", "triton,openai")
+    levels = [r for r in records if "round" in r]
+    assert sorted((r["engine"], r["concurrency"]) for r in levels) == [
+        ("pagedllm-openai", 1), ("pagedllm-openai", 8), ("pagedllm-triton", 1), ("pagedllm-triton", 8)]
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_p99_ms"] > 0 for r in levels)
+
+
 def test_throughput_rounds_give_each_engine_one_run_a_round():
     records = run("throughput.py", "--quick", "--rounds", "3", "--engines", "pagedllm,pagedllm:kv_cache_dtype=fp8")
     cells = [r for r in records if "steady_state_tokens_per_s" in r]

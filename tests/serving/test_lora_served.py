@@ -127,7 +127,7 @@ def test_lora_requests_info_names_running_adapters(server):
 
 def test_openai_model_names_the_adapter(server, expected):
     port = free_port()
-    proc = launcher.start_openai_frontend("127.0.0.1", port, server.grpc_url, 10)
+    proc = launcher.start_openai_frontend("127.0.0.1", port, server.http_url, 10)
     try:
         launcher.wait_openai_ready(f"http://127.0.0.1:{port}", proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

@@ -2,7 +2,8 @@
 
 Disconnects: a client that goes away cancels its Triton request at once, whether it was waiting for a whole
 completion, for the first token of a stream, or reading a stream: the work is raced against the ASGI
-`http.disconnect` message, and losing the race cancels the gRPC call (see triton_bridge.py).
+`http.disconnect` message, and losing the race closes its connection to Triton, which cancels the request (see
+triton_bridge.py).
 A stream's HTTP status is decided by its first model response: an error before any token gets its own status
 (400, 503, ...); an error after the first chunk can only go in the stream, as `data: {"error": {...}}` then
 `[DONE]`.
@@ -43,7 +44,7 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.bridge = TritonBridge(triton_url, model_name)  # in the server's event loop (grpc.aio)
+        app.state.bridge = TritonBridge(triton_url, model_name)  # in the server's event loop (aiohttp)
         yield
         await app.state.bridge.close()
 
@@ -89,7 +90,7 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
         adapter = check_model(body.model)
         out = CompletionResponse(body.model, body.logprobs, _include_usage(body), n=body.n or 1)
         ranked = (body.best_of or 1) > (body.n or 1)  # the best samples are known at the end only
-        deltas = request.app.state.bridge.generate(out.id, with_adapter(completion_sampling(body), adapter),
+        deltas = request.app.state.bridge.generate(with_adapter(completion_sampling(body), adapter),
                                                    COMPLETION_PARAMS,
                                                    prompt=body.prompt[0], logprobs=body.logprobs is not None,
                                                    deltas=bool(body.stream) or not ranked)
@@ -101,7 +102,7 @@ def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name:
         adapter = check_model(body.model)
         out = ChatResponse(body.model, (body.top_logprobs or 0) if body.logprobs else None, _include_usage(body),
                            n=body.n or 1)
-        deltas = request.app.state.bridge.generate(out.id, with_adapter(chat_sampling(body), adapter), CHAT_PARAMS,
+        deltas = request.app.state.bridge.generate(with_adapter(chat_sampling(body), adapter), CHAT_PARAMS,
                                                    messages=body.messages, logprobs=bool(body.logprobs))
         return await _respond(request, out, deltas, bool(body.stream))
 

@@ -13,7 +13,8 @@ DEFAULT_PORT = 9000
 
 
 def add_openai_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--triton-url", required=True, metavar="HOST:GRPCPORT", help="Triton's gRPC address")
+    p.add_argument("--triton-url", required=True, metavar="HOST:HTTPPORT",
+                   help="Triton's HTTP address (its generate extension carries the requests)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--model-name", default="pagedllm", help="the Triton model to forward requests to")

@@ -1,8 +1,8 @@
 """Errors from Triton → OpenAIError (HTTP status, message, param).
 
-On a gRPC stream, an error response carries only its message text: tritonclient.grpc.aio yields
-`InferenceServerException(msg=response.error_message)` and the Triton error code (INVALID_ARG, UNAVAILABLE,
-INTERNAL) is lost. So the rule is read from the text, and it is built on what the pagedllm model sends:
+From the generate endpoint an error carries only its message text (`{"error": "..."}`, as the body of a non-200
+status before the first event or as an event after it), and Triton's status code is not to be relied on for
+what the model meant. So the rule is read from the text, and it is built on what the pagedllm model sends:
 
 - its non-validation messages are a closed, known set: UNAVAILABLE ones ("overloaded: ...", "engine is not
   running: ...", "engine failed: ...", "engine is restarting", "the model is being unloaded", "request
@@ -14,14 +14,12 @@ INTERNAL) is lost. So the rule is read from the text, and it is built on what th
   mapped back to the request's field, as `param` (and in the message).
 Defaulting the open set to 400 keeps a new validation message of the model a 400 without a change here; a new
 failure kind of the model must be added to the known prefixes (tests/openai checks the ones it can provoke).
-Errors of the gRPC call itself (no stream, Triton gone) keep their status code and map by it.
+Failures of the connection itself (Triton unreachable, a response cut off) are the bridge's: 503 and 502.
 """
 
 from __future__ import annotations
 
 import re
-
-import grpc
 
 from pagedllm.openai.protocol import OpenAIError
 
@@ -59,14 +57,3 @@ def _field(text: str, params: dict[str, str]) -> tuple[str | None, str]:
     param = params.get(head, head) + rest
     return param, param + body[m.end() - 1:]
 
-
-def from_rpc_error(err: grpc.aio.AioRpcError) -> OpenAIError:
-    """The gRPC call failed as a whole (Triton unreachable, the stream broken)."""
-    code = err.code()
-    text = f"Triton: {err.details() or code.name}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND):
-        return OpenAIError(503, text)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return OpenAIError(400, text)
-    return OpenAIError(500, text)

@@ -216,10 +216,10 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
     return Launched(proc, *ports, log)
 
 
-def start_openai_frontend(host: str, port: int, triton_grpc_url: str, drain_timeout: int) -> subprocess.Popen:
+def start_openai_frontend(host: str, port: int, triton_http_url: str, drain_timeout: int) -> subprocess.Popen:
     """`pagedllm openai` in a session of its own (a Ctrl-C at the terminal reaches `serve` alone, which stops the
     front end before tritonserver), listening on `host`:`port`."""
-    cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", triton_grpc_url, "--host", host,
+    cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", triton_http_url, "--host", host,
            "--port", str(port), "--drain-timeout", str(drain_timeout)]
     return subprocess.Popen(cmd, start_new_session=True)
 
@@ -322,7 +322,7 @@ def serve(args) -> int:
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         openai_url = f"http://{local}:{args.openai_port}"
         if args.openai_port and not signals:
-            frontend.append(start_openai_frontend(args.host, args.openai_port, f"{local}:{args.grpc_port}",
+            frontend.append(start_openai_frontend(args.host, args.openai_port, f"{local}:{args.http_port}",
                                                   args.drain_timeout))
             wait_openai_ready(openai_url, frontend[0], cancelled=stopping)
         if not signals:
