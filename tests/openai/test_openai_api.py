@@ -337,6 +337,34 @@ def test_disconnect_mid_stream_cancels_and_frees_every_block(served):
     _assert_cancelled_and_freed(served, before)
 
 
+def test_a_disconnect_storm_cancels_the_requests_and_the_next_one_is_served(served, client):
+    """40 streams (more than max_num_seqs: some wait in the queue), each client leaving at its first token.
+    Each request ends cancelled, or, where its client thread was slow to leave on a loaded host, at its length
+    (the tiny model streams 2,000 tokens in about a second); most must be cancelled."""
+    cancelled = "pagedllm:requests_cancelled_total"
+    finished = 'pagedllm:request_success_total{finished_reason="length"}'
+    before = served.scrape()
+
+    def leave_at_first_token(i: int) -> None:
+        s = _send(served, "/v1/completions", {"model": MODEL, "prompt": f"def f{i}():", "max_tokens": 2000,
+                                              "stream": True, **LONG})
+        got = b""
+        while b"data: {" not in got:
+            got += s.recv(4096)
+        s.close()
+
+    with ThreadPoolExecutor(40) as pool:
+        list(pool.map(leave_at_first_token, range(40)))
+
+    def ended(m: dict) -> dict:
+        return {k: m.get(k, 0) - before.get(k, 0) for k in (cancelled, finished)}
+
+    m = served.wait_metrics(lambda m: served.all_blocks_free(m) and sum(ended(m).values()) == 40, timeout=30)
+    assert served.all_blocks_free(m) and sum(ended(m).values()) == 40 and ended(m)[cancelled] >= 30, ended(m)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=LONG)
+    assert reply.usage.completion_tokens == 8
+
+
 def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(served):
     before = served.scrape()
     s = _send(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, **LONG})

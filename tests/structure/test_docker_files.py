@@ -558,7 +558,7 @@ def test_gpu_compose_runs_the_openai_front_end_beside_tritonserver():
     add_openai_arguments(parser)
     args = parser.parse_args(openai["command"][2:])
     host, port = args.triton_url.rsplit(":", 1)
-    assert host == "127.0.0.1" and int(port) == launcher_ports()["grpc_port"]
+    assert host == "127.0.0.1" and int(port) == launcher_ports()["http_port"]
     assert args.host == "0.0.0.0" and args.port == OPENAI_PORT
     assert OPENAI_PORT in container_ports(compose_service(COMPOSE))
     assert "ports" not in openai  # the namespace's ports are published by the server's service
