@@ -374,6 +374,44 @@ def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(served):
     _assert_cancelled_and_freed(served, before)
 
 
+def test_disconnect_while_waiting_for_a_ranked_completion_cancels_it(served):
+    """best_of > n: the model answers once, at the end, so Triton writes nothing to its connection until then;
+    the heartbeat the front end asks for is what lets Triton see the client leave."""
+    before = served.scrape()
+    s = _send(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 1,
+                                           "best_of": 2, "temperature": 1.0, **LONG})
+    m = served.wait_metrics(lambda m: m.get("pagedllm:num_requests_running") == 2, timeout=30)
+    assert m.get("pagedllm:num_requests_running") == 2  # both samples run
+    s.close()
+    _assert_cancelled_and_freed(served, before)
+
+
+def test_a_client_leaving_while_its_request_is_queued_cancels_it_before_it_runs(served):
+    """max_num_seqs streams hold every slot; the next request waits, its client leaves, and it is cancelled
+    before it is admitted: its long prompt is never prefilled."""
+    before = served.scrape()
+    holders = [_send(served, "/v1/completions", {"model": MODEL, "prompt": f"def f{i}():", "max_tokens": 2000,
+                                                 "stream": True, **LONG}) for i in range(ENGINE["max_num_seqs"])]
+    queued_prompt = " ".join(f"word{i}" for i in range(300))
+    try:
+        m = served.wait_metrics(lambda m: m.get("pagedllm:num_requests_running") == ENGINE["max_num_seqs"])
+        queued = _send(served, "/v1/completions", {"model": MODEL, "prompt": queued_prompt, "max_tokens": 4,
+                                                    "stream": True, **LONG})
+        m = served.wait_metrics(lambda m: m.get("pagedllm:num_requests_waiting") == 1, timeout=10)
+        assert m.get("pagedllm:num_requests_waiting") == 1, m
+        queued.close()
+        cancelled = before.get("pagedllm:requests_cancelled_total", 0) + 1
+        m = served.wait_metrics(lambda m: m.get("pagedllm:requests_cancelled_total") == cancelled, timeout=10)
+        assert m.get("pagedllm:requests_cancelled_total") == cancelled and m["pagedllm:num_requests_waiting"] == 0
+    finally:
+        for h in holders:
+            h.close()
+    m = served.wait_metrics(lambda m: served.all_blocks_free(m), timeout=30)
+    assert served.all_blocks_free(m)
+    prefilled = m["pagedllm:prompt_tokens_total"] - before.get("pagedllm:prompt_tokens_total", 0)
+    assert prefilled < 300, prefilled  # the holders' short prompts only
+
+
 def _alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE

@@ -86,6 +86,7 @@ def test_sends_one_streamed_request_and_reads_scalar_and_list_events():
             event({"text_output": "a", "finish_reason": "", "num_input_tokens": 4, "num_output_tokens": 1,
                    "logprobs": lp}),
             b": a comment line is not an event\n\n",
+            event({"model_name": "pagedllm", "model_version": "1"}),  # a heartbeat: no outputs, no delta
             event({"text_output": ["b", "c"], "finish_reason": ["length", "stop"], "num_input_tokens": 4,
                    "num_output_tokens": [1, 2], "sequence_index": [0, 1], "logprobs": [lp, lp]})])
 
@@ -100,7 +101,8 @@ def test_sends_one_streamed_request_and_reads_scalar_and_list_events():
     assert bodies == [{"stream": True, "sampling_parameters": json.dumps({"max_tokens": 2}),
                        "exclude_input_in_output": True, "return_finish_reason": True,
                        "return_num_input_tokens": True, "return_num_output_tokens": True,
-                       "messages": json.dumps([{"role": "user", "content": "hi"}]), "return_logprobs": True}]
+                       "heartbeat": True, "messages": json.dumps([{"role": "user", "content": "hi"}]),
+                       "return_logprobs": True}]
 
 
 def test_a_final_only_request_asks_for_no_stream():
@@ -114,6 +116,25 @@ def test_a_final_only_request_asks_for_no_stream():
     got, bodies = run_against(reply, body)
     assert [(d.text, d.num_output_tokens) for d in got] == [("ab", 2)]
     assert bodies[0]["stream"] is False and bodies[0]["text_input"] == "x" and "messages" not in bodies[0]
+
+
+def test_an_event_of_megabytes_is_read_whole_and_one_not_json_is_a_502():
+    text = "x" * (3 << 20)  # more than aiohttp's readline takes (2 x its 256 KiB read buffer)
+
+    async def reply(request):
+        return await streaming(request, [event({"text_output": text, "num_output_tokens": 1})[i:i + 65536]
+                                         for i in range(0, len(text) + 100, 65536)] + [b"data: {not json\n\n"])
+
+    got = []
+
+    async def body(bridge, fake):
+        async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="x")) as deltas:
+            async for d in deltas:
+                got.append(d.text)
+
+    with pytest.raises(OpenAIError) as e:
+        run_against(reply, body)
+    assert got == [text] and e.value.status == 502
 
 
 def test_an_error_before_the_stream_keeps_its_field_and_status():

@@ -42,6 +42,14 @@ def test_tensors_override_json_and_request_parameters_are_read():
     assert p.params.max_tokens == 4 and p.params.top_k == 3 and p.params.temperature == 0
 
 
+def test_the_heartbeat_parameter_is_read_apart_from_the_sampling_ones():
+    p = parse_request({"text_input": t("hi")}, parameters={"heartbeat": True, "top_k": 7})
+    assert p.heartbeat and p.params.top_k == 7
+    assert not parse_request({"text_input": t("hi")}).heartbeat
+    with pytest.raises(InvalidRequest, match="heartbeat: must be a boolean"):
+        parse_request({"text_input": t("hi")}, parameters={"heartbeat": "yes"})
+
+
 @pytest.mark.parametrize("inputs, params, message", [
     ({}, None, "text_input or messages: exactly one is required"),
     ({"text_input": t("")}, None, "text_input: is empty"),

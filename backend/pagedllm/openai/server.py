@@ -1,8 +1,8 @@
 """`pagedllm openai`: the front end under uvicorn, against a Triton that is already running.
 
 SIGTERM or SIGINT makes uvicorn stop accepting connections and drain the ones open (streams included) for up
-to `--drain-timeout` seconds, then close the gRPC channel; `pagedllm serve` relies on that to stop the front
-end before Triton drains.
+to `--drain-timeout` seconds, then close its HTTP session to Triton; `pagedllm serve` relies on that to stop the
+front end before Triton drains.
 """
 
 from __future__ import annotations

@@ -84,10 +84,7 @@ class TritonBridge:
                 if resp.status != 200:
                     raise triton_errors.from_stream_message(_message(await resp.text()), params)
                 try:
-                    async for line in resp.content:
-                        if not line.startswith(b"data:"):
-                            continue
-                        event = json.loads(line[5:])
+                    async for event in _events(resp.content):
                         if "error" in event:
                             raise triton_errors.from_stream_message(event["error"], params)
                         for delta in _deltas(event):
@@ -96,10 +93,28 @@ class TritonBridge:
                     # Read to its end, the body leaves the connection closed by Triton; left early, closing
                     # it is what cancels the request.
                     resp.close()
-        except aiohttp.ClientConnectorError as e:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             raise OpenAIError(503, f"Triton: unreachable: {e}") from None
         except aiohttp.ClientError as e:  # the connection broke mid-response (Triton gone)
             raise OpenAIError(502, f"Triton: the response broke off: {type(e).__name__}: {e}") from None
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict]:
+    """The body's `data:` events, each a JSON object. Read in whatever pieces arrive and cut at the blank lines
+    between events, not line by line: aiohttp's readline refuses lines over 2 x its read buffer, and one event
+    (a final-only completion with logprobs, say) can be megabytes."""
+    pending = bytearray()
+    async for piece in content.iter_any():
+        pending += piece
+        while (end := pending.find(b"\n\n")) >= 0:
+            raw = bytes(pending[:end])
+            del pending[:end + 2]
+            for line in raw.split(b"\n"):
+                if line.startswith(b"data:"):
+                    try:
+                        yield json.loads(line[5:])
+                    except ValueError:
+                        raise OpenAIError(502, f"Triton: an event that is not JSON: {line[:200]!r}") from None
 
 
 def _body(sampling: dict, prompt: str | None, messages: list | None, logprobs: bool,
@@ -107,7 +122,10 @@ def _body(sampling: dict, prompt: str | None, messages: list | None, logprobs: b
     # Exactly one of text_input / messages: the model renders messages with its chat template.
     body = {"stream": stream, "sampling_parameters": json.dumps(sampling),
             "exclude_input_in_output": True,  # OpenAI never repeats the prompt (echo is refused)
-            "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+            "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+            # An empty response from the model after each half second without one: Triton notices that this
+            # connection closed only when it writes to it (a request queued, prefilling, or final-only).
+            "heartbeat": True}
     if messages is not None:
         body["messages"] = json.dumps(messages)
     else:

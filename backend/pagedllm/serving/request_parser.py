@@ -52,6 +52,8 @@ class ParsedRequest:
     pad_id: int | None = None  # TensorRT-LLM's; checked against the vocabulary (outputs are never padded)
     messages: list | None = None  # a chat request's conversation (checked in full by the chat template)
     lora: str | int | None = None  # the adapter: its name (lora_name) or id (lora_task_id)
+    # Request parameter `heartbeat`: an empty response after each HEARTBEAT_S without one (triton_model.py).
+    heartbeat: bool = False
 
 
 # sampling_parameters JSON keys -> (SamplingParams field, type)
@@ -112,6 +114,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             raise InvalidRequest("text_input: is empty")
 
     kwargs: dict = {}
+    parameters = dict(parameters or {})
+    heartbeat = parameters.pop("heartbeat", False)
+    if not isinstance(heartbeat, bool):
+        raise InvalidRequest(f"heartbeat: must be a boolean, got {_show(heartbeat)}")
     if parameters:
         kwargs.update(_parse_sampling_dict(parameters, "request parameters"))
     if "sampling_parameters" in inputs:
@@ -181,6 +187,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         pad_id=_scalar(inputs["pad_id"], "pad_id", int) if "pad_id" in inputs else None,
         messages=messages,
         lora=lora,
+        heartbeat=heartbeat,
     )
 
 

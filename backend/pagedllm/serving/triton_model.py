@@ -55,6 +55,11 @@ CANCEL_SWEEP_S = 0.02  # how often the response thread sweeps in-flight requests
 # Every ask is an IPC round trip to tritonserver: asking all 64 in flight every 20 ms kept a third core's worth
 # of work running beside the forward pass on a 2-core host (measured with py-spy), which OpenMP's threads pay for.
 CANCEL_CHECK_PERIOD_S = 0.2
+# A request with the `heartbeat` parameter gets an empty response after each this long without one. Triton's HTTP
+# front end notices a closed connection only when it writes to it (triton-inference-server/server#7077), so a
+# request that sends nothing for a while (queued, in a long prefill, or final-only) would otherwise run on for a
+# client that left; the heartbeat's write fails, Triton marks the request cancelled, and the sweep aborts it.
+HEARTBEAT_S = 0.5
 # A config parameter this model sets on itself when it reloads after an engine failure: the restarts so far.
 RESTARTS_PARAMETER = "pagedllm_engine_restarts"
 # One per stub process, like the allocator it guards (re-entrant: a channel's send may run under it).
@@ -68,6 +73,8 @@ class _InFlight:
     triton_id: str
     cancelled: bool = False
     asked_at: float = dataclasses.field(default_factory=time.monotonic)  # last asked whether it was cancelled
+    heartbeat: bool = False
+    sent_at: float = dataclasses.field(default_factory=time.monotonic)  # its last response (heartbeats included)
 
 
 class TritonPythonModel:
@@ -172,7 +179,7 @@ class TritonPythonModel:
         with self.lock:  # registered first: the engine thread may answer before submit returns
             self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids),
                                                                      self.engine_config.cache.block_size),
-                                           triton_id)
+                                           triton_id, heartbeat=parsed.heartbeat)
         try:
             self.loop.submit(rid, processed)
         except EngineDeadError as e:
@@ -289,6 +296,7 @@ class TritonPythonModel:
         if out.finished:
             self._finish(rid, state, response=response)
         else:
+            state.sent_at = time.monotonic()
             state.channel.send(response)
 
     def _finish(self, rid, state: _InFlight, response=None, error=None) -> None:
@@ -302,6 +310,12 @@ class TritonPythonModel:
     def _sweep_cancellations(self, now: float, since_last_sweep_s: float) -> None:
         with self.lock:
             live = {rid: s for rid, s in self.inflight.items() if not s.cancelled}
+        for state in live.values():
+            if state.heartbeat and now - state.sent_at >= HEARTBEAT_S:
+                state.sent_at = now
+                with IPC_LOCK:
+                    empty = pb_utils.InferenceResponse(output_tensors=[])
+                state.channel.send(empty)  # nothing, once the request's final response went out
         for rid in due_for_asking({rid: s.asked_at for rid, s in live.items()}, since_last_sweep_s,
                                   CANCEL_CHECK_PERIOD_S):
             state = live[rid]
