@@ -78,6 +78,20 @@ async def collect(bridge: TritonBridge, **kwargs) -> list:
     return got
 
 
+def texts_until_error(reply) -> tuple[list[str], OpenAIError]:
+    """The texts of the deltas the bridge yields before it raises, and what it raises."""
+    got = []
+
+    async def body(bridge, fake):
+        async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="x")) as deltas:
+            async for d in deltas:
+                got.append(d.text)
+
+    with pytest.raises(OpenAIError) as e:
+        run_against(reply, body)
+    return got, e.value
+
+
 def test_sends_one_streamed_request_and_reads_scalar_and_list_events():
     lp = json.dumps([{"7": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}])
 
@@ -125,16 +139,8 @@ def test_an_event_of_megabytes_is_read_whole_and_one_not_json_is_a_502():
         return await streaming(request, [event({"text_output": text, "num_output_tokens": 1})[i:i + 65536]
                                          for i in range(0, len(text) + 100, 65536)] + [b"data: {not json\n\n"])
 
-    got = []
-
-    async def body(bridge, fake):
-        async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="x")) as deltas:
-            async for d in deltas:
-                got.append(d.text)
-
-    with pytest.raises(OpenAIError) as e:
-        run_against(reply, body)
-    assert got == [text] and e.value.status == 502
+    got, error = texts_until_error(reply)
+    assert got == [text] and error.status == 502
 
 
 def test_an_error_before_the_stream_keeps_its_field_and_status():
@@ -147,20 +153,12 @@ def test_an_error_before_the_stream_keeps_its_field_and_status():
 
 
 def test_an_error_event_mid_stream_is_raised_after_the_deltas_before_it():
-    got = []
-
     async def reply(request):
         return await streaming(request, [event({"text_output": "a", "num_output_tokens": 1}),
                                          event({"error": "engine failed: RuntimeError: boom"})])
 
-    async def body(bridge, fake):
-        async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="x")) as deltas:
-            async for d in deltas:
-                got.append(d.text)
-
-    with pytest.raises(OpenAIError) as e:
-        run_against(reply, body)
-    assert got == ["a"] and e.value.status == 503
+    got, error = texts_until_error(reply)
+    assert got == ["a"] and error.status == 503
 
 
 def test_a_response_cut_off_is_a_502():
