@@ -95,12 +95,7 @@ class PagedOpenAIServer(PagedServer):
                 "ignore_eos": True, "stream": True}
 
     def stop(self) -> None:
-        self.frontend.terminate()
-        try:
-            self.frontend.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.frontend.kill()
-            self.frontend.wait()
+        launcher.stop_server(self.frontend, 30)  # SIGTERM (it drains), then its session's group killed
         super().stop()
 
 

@@ -12,8 +12,10 @@ known only at the end: the model sends it as one final response, read the same w
 end of Triton's response body (a chunked body cut short is an error, not an end). An error before the first
 event comes as a non-200 status with `{"error": ...}`, one after it as an event `{"error": ...}`; the model sends
 each error as its request's final response. Leaving the generator early, by an exception, a cancellation (the
-HTTP client went away) or `aclose()`, closes the connection; Triton then cancels the request and the model aborts
-it and frees its KV blocks (tests/reliability/test_cancellation_storm.py, closed SSE connections).
+HTTP client went away) or `aclose()`, closes the connection; Triton notices at its next write to it, cancels the
+request, and the model aborts it and frees its KV blocks. Every request asks for the model's `heartbeat` (an empty
+event after each 0.5 s without one), so that next write comes soon even for a request that is queued,
+prefilling or final-only (docs/RELIABILITY.md, "Disconnects").
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ class TritonBridge:
     def __init__(self, url: str, model_name: str = "pagedllm") -> None:
         # An aiohttp session belongs to the event loop it is made in: make the bridge inside the server's loop.
         base = url if "://" in url else f"http://{url}"
-        self.model_name = model_name
         self.generate_url = f"{base}/v2/models/{model_name}/generate_stream"
         self.ready_url = f"{base}/v2/models/{model_name}/ready"
         # No pool limit (each stream holds its connection; Triton closes each after its response), no read

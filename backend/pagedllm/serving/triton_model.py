@@ -73,7 +73,6 @@ class _InFlight:
     triton_id: str
     cancelled: bool = False
     asked_at: float = dataclasses.field(default_factory=time.monotonic)  # last asked whether it was cancelled
-    heartbeat: bool = False
     sent_at: float = dataclasses.field(default_factory=time.monotonic)  # its last response (heartbeats included)
 
 
@@ -179,7 +178,7 @@ class TritonPythonModel:
         with self.lock:  # registered first: the engine thread may answer before submit returns
             self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids),
                                                                      self.engine_config.cache.block_size),
-                                           triton_id, heartbeat=parsed.heartbeat)
+                                           triton_id)
         try:
             self.loop.submit(rid, processed)
         except EngineDeadError as e:
@@ -311,7 +310,7 @@ class TritonPythonModel:
         with self.lock:
             live = {rid: s for rid, s in self.inflight.items() if not s.cancelled}
         for state in live.values():
-            if state.heartbeat and now - state.sent_at >= HEARTBEAT_S:
+            if state.builder.parsed.heartbeat and now - state.sent_at >= HEARTBEAT_S:
                 state.sent_at = now
                 with IPC_LOCK:
                     empty = pb_utils.InferenceResponse(output_tensors=[])
