@@ -232,3 +232,34 @@ def test_leaving_early_closes_the_connection():
         return True
 
     assert run_against(reply, body)
+
+
+def test_requests_read_to_their_end_reuse_one_connection_and_one_left_early_does_not():
+    peers = []  # each request's client address: the same address means the same kept-alive connection
+    fake = None
+
+    async def reply(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        if fake.bodies[-1]["text_input"] == "endless":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            with contextlib.suppress(ConnectionError):
+                for _ in range(2000):
+                    await resp.write(event({"text_output": "a", "num_output_tokens": 1}))
+                    await asyncio.sleep(0.005)
+            return resp
+        return await streaming(request, [event({"text_output": t, "num_output_tokens": 1}) for t in "ab"])
+
+    async def body(bridge, the_fake):
+        nonlocal fake
+        fake = the_fake
+        assert [d.text for d in await collect(bridge, prompt="x")] == ["a", "b"]
+        assert [d.text for d in await collect(bridge, prompt="y")] == ["a", "b"]
+        async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="endless")) as deltas:
+            async for _ in deltas:
+                break  # left after one token: its connection is closed, not pooled
+        await collect(bridge, prompt="w")
+        return True
+
+    assert run_against(reply, body)
+    assert peers[0] == peers[1] == peers[2] and peers[3] != peers[2]

@@ -204,3 +204,23 @@ def test_a_channel_is_safe_across_threads():
     for t in threads:
         t.join()
     assert sender.finals == 1 and not sender.misuse
+
+
+def test_a_batch_of_outputs_sends_the_requests_first_responses_first(monkeypatch):
+    """A new request's first token (its TTFT) does not wait behind the running streams' next tokens; otherwise
+    the batch keeps its order."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils(False))
+    monkeypatch.delitem(sys.modules, "pagedllm.serving.triton_model", raising=False)
+    from pagedllm.serving.triton_model import TritonPythonModel
+
+    model = object.__new__(TritonPythonModel)  # only its in-flight table is used
+    model.lock = threading.Lock()
+
+    def in_flight(tokens_sent):
+        return types.SimpleNamespace(builder=types.SimpleNamespace(tokens_so_far=tokens_sent))
+
+    model.inflight = {"a": in_flight(5), "b": in_flight(0), "c": in_flight(9), "d": in_flight(0)}
+    items = [(rid, f"output of {rid}", None) for rid in "acbdx"]  # x: finished meanwhile, no longer in flight
+    assert [rid for rid, _, _ in model._first_responses_first(items)] == ["b", "d", "a", "c", "x"]
+    model.inflight = {"a": in_flight(5), "c": in_flight(9)}
+    assert model._first_responses_first(items) == items

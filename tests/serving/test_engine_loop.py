@@ -1,7 +1,10 @@
 """The engine thread used by the Triton adapter: outputs, per-request errors, abort, engine death and the
 bounded, backed-off restarts after it."""
 
+import dataclasses
 import gc
+import threading
+import time
 import weakref
 
 import pytest
@@ -40,6 +43,43 @@ def test_outputs_errors_and_abort(llm):
     assert c.finished["long"].outputs[0].finish_reason == "abort"
     errors = [err for rid, _, err in c.items if err is not None]
     assert len(errors) == 1 and "request_id" in str(errors[0])
+    loop.stop()
+    assert_all_blocks_free(llm)
+
+
+def _slow_steps(engine, seconds: float) -> threading.Event:
+    """Every step takes at least `seconds`; the event is set while one is running."""
+    inside, step = threading.Event(), engine.executor.execute_step
+
+    def slow(*args, **kwargs):
+        inside.set()
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    engine.executor.execute_step = slow
+    return inside
+
+
+def test_a_request_received_during_a_step_is_timed_from_its_receipt(llm):
+    """The engine takes requests only between steps: a server's request carries when it was received, and its
+    queue time, TTFT and deadline count from then, the wait for the step in progress included."""
+    c = Collector()
+    loop = EngineLoop(lambda: None, c, engine=llm.engine)
+    inside = _slow_steps(llm.engine, 0.3)
+    process = llm.engine.input_processor.process
+    loop.submit("busy", process([0, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+    inside.wait(10)
+    received = time.monotonic()  # the step in progress has ~0.3 s left
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    loop.submit("late", dataclasses.replace(process([0, 5, 6], params), arrival_time=received))
+    loop.submit("expired", dataclasses.replace(process([0, 5, 6], params, timeout=0.1), arrival_time=received))
+    wait_for(lambda: len(c.finished) == 3)
+    metrics = c.finished["late"].metrics
+    assert metrics.arrival_time == received
+    assert metrics.first_scheduled_time - received >= 0.1  # it waited out the step it arrived in
+    # Its 0.1 s deadline passed while the step ran: it ends with no token rather than being timed from its take-up.
+    expired = c.finished["expired"].outputs[0]
+    assert expired.finish_reason == "timeout" and expired.token_ids == []
     loop.stop()
     assert_all_blocks_free(llm)
 

@@ -185,14 +185,14 @@ class LLMEngine:
         if params.num_sequences > self.config.scheduler.max_num_seqs:
             raise ValueError(f"{'beam_width' if params.beam_width > 1 else 'n'}: {params.num_sequences} sequences "
                              f"run at once, more than max_num_seqs={self.config.scheduler.max_num_seqs}")
-        now = time.monotonic()
+        arrival = time.monotonic() if processed.arrival_time is None else processed.arrival_time
 
         def make(rid: str, sp: SamplingParams) -> Request:
             ids = processed.prompt_token_ids
             room = self.max_model_len - len(ids)
             req = Request(rid, ids, sp, self.model_info.eos_token_ids, self.config.cache.block_size,
-                          prompt=processed.prompt, priority=processed.priority, arrival_time=now,
-                          deadline=None if processed.timeout is None else now + processed.timeout,
+                          prompt=processed.prompt, priority=processed.priority, arrival_time=arrival,
+                          deadline=None if processed.timeout is None else arrival + processed.timeout,
                           max_tokens=room if sp.max_tokens is None else min(sp.max_tokens, room),
                           lora=processed.lora, hash_keys=self._rope_hash_keys(len(ids)))
             req.lora_weights = processed.lora_weights

@@ -33,6 +33,10 @@ class ProcessedRequest:
     bad_words_token_ids: tuple = ()  # params.bad_words tokenized (engine.logits_controls)
     lora: LoRARequest | None = None  # the adapter it runs with
     lora_weights: object | None = None  # its LoRAAdapter (checked against the model): the engine reads no file
+    # When the request was received (time.monotonic()); None: when the engine takes it. A server sets it: the
+    # engine takes requests only between steps, and the wait for the step in progress (up to a prefill chunk's
+    # step, ~0.5 s on 2 cores) is part of its queue time, TTFT and deadline.
+    arrival_time: float | None = None
 
 
 class InputProcessor:
