@@ -50,6 +50,13 @@ def test_serving_drives_triton_and_the_openai_front_end():
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_p99_ms"] > 0 for r in levels)
 
 
+def test_frontend_overhead_measures_the_front_end_per_token():
+    records = run("frontend_overhead.py", "--quick")
+    assert [r["round"] for r in records if "round" in r] == [1]
+    median = next(r for r in records if r.get("median"))
+    assert median["tokens_per_s"] > 0 and median["frontend_us_per_token"] > 0
+
+
 def test_throughput_rounds_give_each_engine_one_run_a_round():
     records = run("throughput.py", "--quick", "--rounds", "3", "--engines", "pagedllm,pagedllm:kv_cache_dtype=fp8")
     cells = [r for r in records if "steady_state_tokens_per_s" in r]
