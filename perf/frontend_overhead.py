@@ -12,7 +12,8 @@ of it. Here nothing else varies: the stand-in (aiohttp, its own process) answers
 the events our model sends for a stream (`text_output`, `finish_reason`, `num_input_tokens`, `num_output_tokens`,
 one token each) every 1/rate seconds; a client (one asyncio loop, another process: this one) keeps --streams
 `/v1/completions` streams open through the front end, each --tokens long, for --seconds per round. Per round:
-the front end's CPU (utime + stime from /proc) and context switches per token, and tokens/s.
+the front end's CPU (user + system) and context switches per token, tokens/s, and its resident memory (it
+should not grow from round to round).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 
 import aiohttp
+import psutil
 from aiohttp import web
 
 from common import emit
@@ -60,17 +61,10 @@ def stand_in(port: int, rate: float) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
-def cpu_and_switches(pid: int) -> tuple[float, int]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    with open(f"/proc/{pid}/status") as f:
-        switches = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+def usage(proc: psutil.Process) -> tuple[float, int, float]:
+    """(CPU seconds, user and system; context switches, voluntary and not; resident MiB) of a process so far."""
+    cpu, switches = proc.cpu_times(), proc.num_ctx_switches()
+    return cpu.user + cpu.system, switches.voluntary + switches.involuntary, proc.memory_info().rss / 2**20
 
 
 async def drive(url: str, streams: int, tokens: int, seconds: float) -> int:
@@ -115,19 +109,20 @@ def main() -> None:
         frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{triton_port}", 10)
         launcher.wait_openai_ready(f"http://127.0.0.1:{port}", frontend)
         url = f"http://127.0.0.1:{port}/v1/completions"
+        proc = psutil.Process(frontend.pid)
         asyncio.run(drive(url, args.streams, args.tokens, 1 if args.quick else 3))  # warm-up
         rows = []
         for r in range(args.rounds):
-            cpu0, sw0 = cpu_and_switches(frontend.pid)
+            cpu0, sw0, _ = usage(proc)
             t0 = time.perf_counter()
             got = asyncio.run(drive(url, args.streams, args.tokens, args.seconds))
             wall = time.perf_counter() - t0
-            cpu1, sw1 = cpu_and_switches(frontend.pid)
+            cpu1, sw1, rss = usage(proc)
             row = {"round": r + 1, "streams": args.streams, "tokens_per_s": round(got / wall, 1),
                    "frontend_cores": round((cpu1 - cpu0) / wall, 4),
                    "frontend_us_per_token": round(1e6 * (cpu1 - cpu0) / got, 1),
                    "frontend_switches_per_token": round((sw1 - sw0) / got, 2),
-                   "frontend_rss_mib": rss_mib(frontend.pid)}
+                   "frontend_rss_mib": round(rss, 1)}
             emit(row)
             rows.append(row)
         emit({"median": True, "streams": args.streams, **{k: statistics.median(r[k] for r in rows) for k in (

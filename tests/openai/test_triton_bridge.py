@@ -47,6 +47,20 @@ async def streaming(request: web.Request, chunks: list[bytes], status: int = 200
     return resp
 
 
+async def endless(request: web.Request, client_left: asyncio.Event | None = None) -> web.StreamResponse:
+    """A stream that, as far as the bridge knows, ends only when its client leaves (then `client_left` is set)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    try:
+        for _ in range(2000):
+            await resp.write(event({"text_output": "a", "num_output_tokens": 1}))
+            await asyncio.sleep(0.005)
+    except ConnectionError:
+        if client_left is not None:
+            client_left.set()
+    return resp
+
+
 def run_against(reply, body):
     """Start the stand-in, run `body(bridge, fake)` against it, stop both."""
 
@@ -212,15 +226,7 @@ def test_leaving_early_closes_the_connection():
     fake = None
 
     async def reply(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for _ in range(2000):  # an endless stream, as far as the bridge knows
-                await resp.write(event({"text_output": "a", "num_output_tokens": 1}))
-                await asyncio.sleep(0.005)
-        except ConnectionError:
-            fake.client_left.set()
-        return resp
+        return await endless(request, fake.client_left)
 
     async def body(bridge, the_fake):
         nonlocal fake
@@ -236,23 +242,14 @@ def test_leaving_early_closes_the_connection():
 
 def test_requests_read_to_their_end_reuse_one_connection_and_one_left_early_does_not():
     peers = []  # each request's client address: the same address means the same kept-alive connection
-    fake = None
 
     async def reply(request):
         peers.append(request.transport.get_extra_info("peername"))
-        if fake.bodies[-1]["text_input"] == "endless":
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            with contextlib.suppress(ConnectionError):
-                for _ in range(2000):
-                    await resp.write(event({"text_output": "a", "num_output_tokens": 1}))
-                    await asyncio.sleep(0.005)
-            return resp
+        if (await request.json())["text_input"] == "endless":
+            return await endless(request)
         return await streaming(request, [event({"text_output": t, "num_output_tokens": 1}) for t in "ab"])
 
-    async def body(bridge, the_fake):
-        nonlocal fake
-        fake = the_fake
+    async def body(bridge, fake):
         assert [d.text for d in await collect(bridge, prompt="x")] == ["a", "b"]
         assert [d.text for d in await collect(bridge, prompt="y")] == ["a", "b"]
         async with contextlib.aclosing(bridge.generate({}, PARAMS, prompt="endless")) as deltas:

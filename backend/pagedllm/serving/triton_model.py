@@ -258,9 +258,9 @@ class TritonPythonModel:
                 last_sweep = now
 
     def _first_responses_first(self, items: list) -> list:
-        """The batch in order, except that requests yet to get a response go first: a step's outputs are sent one
-        by one, each a round trip to tritonserver (64 took ~50 ms on 2 busy cores), and a new request's first
-        token (its TTFT) should not wait behind the other streams' next ones."""
+        """The batch in order, except that requests yet to get a token (heartbeats are not tokens) go first: a
+        step's outputs are sent one by one, each a round trip to tritonserver (64 took ~50 ms on 2 busy cores), and
+        a new request's first token (its TTFT) should not wait behind the other streams' next ones."""
         with self.lock:
             fresh = {rid for rid, _, _ in items
                      if (state := self.inflight.get(rid)) is not None and state.builder.tokens_so_far == 0}
