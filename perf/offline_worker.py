@@ -15,7 +15,10 @@ run, so each one prefills its prompts.
 """
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
 MAX_MODEL_LEN = 2560  # the grid's longest prompt (2,000) plus its longest output (512), rounded up to a block
@@ -62,7 +65,28 @@ def timed(llm, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def die_with_the_harness() -> None:
+    """Take this worker's process group (it leads its own session: vLLM's engine-core and worker processes are in
+    it too) down when it is told to stop, or as soon as the harness that started it is gone, whatever killed it:
+    a peer left running (vLLM's CPU worker spins on its queue) would skew every later benchmark on the host."""
+    harness = os.getppid()
+
+    def stop(*_) -> None:
+        if os.getpgid(0) == os.getpid():  # never the group of whoever ran it by hand
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == harness:  # reparented once the harness exits
+            time.sleep(0.5)
+        stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    threading.Thread(target=watch, name="harness-watch", daemon=True).start()
+
+
 def main() -> None:
+    die_with_the_harness()
     engine, model, dtype, kv_gib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     llm, sampling_params = make_engine(engine, model, dtype, kv_gib, options)

@@ -37,6 +37,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,8 +67,10 @@ class Worker:
             python, env = str(ensure_vllm()), peer_env(kv_gib)
         else:
             python, env = sys.executable, None
+        # its own session, so that the worker can take its whole process group down (offline_worker.py)
         self.proc = subprocess.Popen([python, str(WORKER), engine, model, dtype, str(kv_gib), json.dumps(options)],
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         self.ready = self._read()  # {"ready": ..., footprint} once the model is loaded
 
     def _read(self) -> dict:
@@ -84,6 +88,10 @@ class Worker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=120)
+        try:  # whatever the engine left behind in the worker's group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def main() -> None:

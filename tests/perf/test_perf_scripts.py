@@ -1,8 +1,12 @@
 """The perf scripts' --quick modes run end to end (their figures are for perf/README.md, not asserted)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,44 @@ def test_frontend_overhead_measures_the_front_end_per_token():
     assert [r["round"] for r in records if "round" in r] == [1]
     median = next(r for r in records if r.get("median"))
     assert median["tokens_per_s"] > 0 and median["frontend_us_per_token"] > 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; only its parent can reap it
+    except FileNotFoundError:
+        return False
+
+
+def test_an_offline_worker_does_not_outlive_its_harness():
+    """A harness killed mid-cell (SIGKILL: no clean-up of its own) takes its busy engine worker with it, so no
+    engine is left running beside the next benchmark."""
+    harness = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(PERF)!r})
+        from common import model_dir
+        from throughput import MODELS, Worker
+        worker = Worker("pagedllm", model_dir(*MODELS["tiny"]), "bfloat16", 1)
+        cell = {{"prompts": [[5, 6, 7]], "max_tokens": 32, "repeats": 10**6, "min_seconds": 0, "warmup": False}}
+        worker.proc.stdin.write(json.dumps(cell) + "\\n")  # runs until it is stopped
+        worker.proc.stdin.flush()
+        print(worker.proc.pid, flush=True)
+        time.sleep(600)""")], stdout=subprocess.PIPE, text=True, cwd=PERF.parent)
+    try:
+        worker = int(harness.stdout.readline())
+        time.sleep(2)  # well into its cell
+        assert _running(worker)
+    finally:
+        harness.kill()
+        harness.wait()
+    deadline = time.monotonic() + 30
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left_running = _running(worker)
+    if left_running:
+        os.kill(worker, signal.SIGKILL)
+    assert not left_running
 
 
 def test_throughput_rounds_give_each_engine_one_run_a_round():
