@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 # GGUF metadata conversions of the session's throwaway files go to a throwaway cache (servers inherit this).
 os.environ.setdefault("PAGEDLLM_CACHE_DIR", tempfile.mkdtemp(prefix="pagedllm-test-cache-"))
 
+import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -102,6 +103,14 @@ def wait_for(pred, timeout=60):
     while not pred():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def process_running(pid: int) -> bool:
+    """Whether a process is still running: a zombie has stopped (only its parent can reap it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import triton_server
-from conftest import Collector, assert_all_blocks_free, random_prompts, wait_for
+from conftest import Collector, assert_all_blocks_free, process_running, random_prompts, wait_for
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.engine.executor.multiproc import WorkerFailedError
 from pagedllm.distributed.tensor_parallel import check_shardable, kv_heads_for_rank
@@ -176,14 +176,6 @@ def _ppid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.server
 def test_tp2_model_through_triton_streams_and_unload_leaves_no_worker(llama_dir, tmp_path):
     expected = LLM(llama_dir, dtype="float32").generate(
@@ -203,9 +195,9 @@ def test_tp2_model_through_triton_streams_and_unload_leaves_no_worker(llama_dir,
         http = httpclient.InferenceServerClient(server.http_url)
         http.unload_model("pagedllm")
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        while any(process_running(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in workers), "a worker outlived its model"
+        assert not any(process_running(p) for p in workers), "a worker outlived its model"
         assert _worker_pids_under(server.proc.pid) == []
         http.close()
     finally:

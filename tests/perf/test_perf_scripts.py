@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import process_running
 
 import pagedllm_kernels.cpu as cpu_kernels
 from pagedllm_kernels.cpu.build import cpu_supported
@@ -61,14 +62,6 @@ def test_frontend_overhead_measures_the_front_end_per_token():
     assert median["tokens_per_s"] > 0 and median["frontend_us_per_token"] > 0
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped; only its parent can reap it
-    except FileNotFoundError:
-        return False
-
-
 def test_an_offline_worker_does_not_outlive_its_harness():
     """A harness killed mid-cell (SIGKILL: no clean-up of its own) takes its busy engine worker with it, so no
     engine is left running beside the next benchmark."""
@@ -86,14 +79,14 @@ def test_an_offline_worker_does_not_outlive_its_harness():
     try:
         worker = int(harness.stdout.readline())
         time.sleep(2)  # well into its cell
-        assert _running(worker)
+        assert process_running(worker)
     finally:
         harness.kill()
         harness.wait()
     deadline = time.monotonic() + 30
-    while _running(worker) and time.monotonic() < deadline:
+    while process_running(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left_running = _running(worker)
+    left_running = process_running(worker)
     if left_running:
         os.kill(worker, signal.SIGKILL)
     assert not left_running
