@@ -1,17 +1,21 @@
 """What the OpenAI front end (`pagedllm openai`) costs per streamed token, apart from the engine: CPU time and
-context switches of its process per token, with a stand-in for Triton that streams tokens at a steady rate.
+context switches of its process per token, with a stand-in for the model that streams tokens at a steady rate,
+over the model's engine channel (as `pagedllm serve` runs it) or through Triton's HTTP endpoint.
 
     .venv/bin/python perf/frontend_overhead.py                    # 64 streams, 20 tokens/s each, 3 rounds
+    .venv/bin/python perf/frontend_overhead.py --way http         # the front end through Triton's HTTP endpoint
     .venv/bin/python perf/frontend_overhead.py --streams 8 --rate 60
     .venv/bin/python perf/frontend_overhead.py --quick            # 8 streams, 1 round of 2 s (smoke test)
 
 Served, the front end shares the host's cores with the engine, and each of its wake-ups beside two OpenMP threads
 costs the engine about twice its own time (perf/README, session 37): its CPU per token is what to make small, and
 a served benchmark, whose engine varies by ±5% from one server to the next, cannot see a change of a few percent
-of it. Here nothing else varies: the stand-in (aiohttp, its own process) answers Triton's `generate_stream` with
-the events our model sends for a stream (`text_output`, `finish_reason`, `num_input_tokens`, `num_output_tokens`,
-one token each) every 1/rate seconds; a client (one asyncio loop, another process: this one) keeps --streams
-`/v1/completions` streams open through the front end, each --tokens long, for --seconds per round. Per round:
+of it. Here nothing else varies: the stand-in (its own process) sends the events our model sends for a stream
+(`text_output`, `finish_reason`, `num_input_tokens`, `num_output_tokens`, one token each) every 1/rate seconds:
+over the channel, every open stream's token in one line per tick (the model writes one per batch of outputs),
+through HTTP as Triton's `generate_stream` (aiohttp), one event per stream on that stream's own timer; a client
+(one asyncio loop, another process: this one) keeps --streams `/v1/completions` streams open through the front
+end, each --tokens long, for --seconds per round. Per round:
 the front end's CPU (user + system) and context switches per token, tokens/s, and its resident memory (it
 should not grow from round to round).
 """
@@ -26,17 +30,63 @@ import subprocess
 import sys
 import time
 
+import tempfile
+import threading
+from pathlib import Path
+
 import aiohttp
+import numpy as np
 import psutil
 from aiohttp import web
 
 from common import emit
 from pagedllm.net import free_port
 from pagedllm.serving import launcher
+from pagedllm.serving.engine_channel import ChannelServer
 
 
-def stand_in(port: int, rate: float) -> None:
-    """Triton's generate_stream, as our model answers a stream: one event per token every 1/rate seconds."""
+class TickingModel:
+    """The model's side of the engine channel, reduced to a clock: each tick, one token to every open stream,
+    then one flush (one line), as the model's response thread writes each batch of a step's outputs."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.left: dict = {}  # stream -> tokens still to send
+        self.lock = threading.Lock()
+
+    def on_request(self, stream, arrays: dict, parameters: dict) -> None:
+        with self.lock:
+            self.left[stream] = json.loads(arrays["sampling_parameters"][0])["max_tokens"]
+
+    def on_cancel(self, stream) -> None:
+        with self.lock:
+            self.left.pop(stream, None)
+
+    def run(self, server: ChannelServer) -> None:
+        while True:
+            time.sleep(1 / self.rate)
+            with self.lock:
+                ticking = list(self.left.items())
+                for stream, left in ticking:
+                    if left == 1:
+                        del self.left[stream]
+                    else:
+                        self.left[stream] = left - 1
+            for stream, left in ticking:
+                stream.send_outputs({"text_output": np.array([b" tok"], dtype=np.object_),
+                                     "finish_reason": np.array([b"length" if left == 1 else b""], dtype=np.object_),
+                                     "num_input_tokens": np.array([100], dtype=np.uint32),
+                                     "num_output_tokens": np.array([1], dtype=np.uint32)}, final=left == 1)
+            server.flush()
+
+
+def stand_in(port: int, rate: float, channel: str | None) -> None:
+    """Triton's ready and generate_stream endpoints, as our model answers a stream (one event per token every
+    1/rate seconds); with `channel`, the model's engine channel at that path too."""
+    if channel:
+        model = TickingModel(rate)
+        threading.Thread(target=model.run, args=(ChannelServer(channel, model.on_request, model.on_cancel),),
+                         daemon=True).start()
 
     async def generate_stream(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -93,20 +143,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per request")
     ap.add_argument("--seconds", type=float, default=15.0, help="per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--way", choices=["channel", "http"], default="channel",
+                    help="the front end over the model's engine channel (as `pagedllm serve` runs it) or through "
+                         "Triton's HTTP generate_stream")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stand-in", type=int, default=None, help=argparse.SUPPRESS)  # run as the stand-in
+    ap.add_argument("--channel", default=None, help=argparse.SUPPRESS)  # the stand-in's channel path
     args = ap.parse_args()
     if args.stand_in is not None:
-        return stand_in(args.stand_in, args.rate)
+        return stand_in(args.stand_in, args.rate, args.channel)
     if args.quick:
         args.streams, args.tokens, args.seconds, args.rounds = 8, 16, 2.0, 1
     triton_port, port = free_port(), free_port()
-    fake = subprocess.Popen([sys.executable, __file__, "--stand-in", str(triton_port), "--rate", str(args.rate)],
-                            start_new_session=True)
+    channel = str(Path(tempfile.mkdtemp(prefix="pagedllm-overhead-")) / "channel.sock") if args.way == "channel" \
+        else None
+    fake = subprocess.Popen([sys.executable, __file__, "--stand-in", str(triton_port), "--rate", str(args.rate)]
+                            + (["--channel", channel] if channel else []), start_new_session=True)
     frontend = None
     try:
         launcher.wait_for_200(f"http://127.0.0.1:{triton_port}/v2/models/pagedllm/ready", fake, 60, "the stand-in", "")
-        frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{triton_port}", 10)
+        frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{triton_port}", 10, channel)
         launcher.wait_openai_ready(f"http://127.0.0.1:{port}", frontend)
         url = f"http://127.0.0.1:{port}/v1/completions"
         proc = psutil.Process(frontend.pid)
@@ -118,14 +174,14 @@ def main() -> None:
             got = asyncio.run(drive(url, args.streams, args.tokens, args.seconds))
             wall = time.perf_counter() - t0
             cpu1, sw1, rss = usage(proc)
-            row = {"round": r + 1, "streams": args.streams, "tokens_per_s": round(got / wall, 1),
+            row = {"round": r + 1, "way": args.way, "streams": args.streams, "tokens_per_s": round(got / wall, 1),
                    "frontend_cores": round((cpu1 - cpu0) / wall, 4),
                    "frontend_us_per_token": round(1e6 * (cpu1 - cpu0) / got, 1),
                    "frontend_switches_per_token": round((sw1 - sw0) / got, 2),
                    "frontend_rss_mib": round(rss, 1)}
             emit(row)
             rows.append(row)
-        emit({"median": True, "streams": args.streams, **{k: statistics.median(r[k] for r in rows) for k in (
+        emit({"median": True, "way": args.way, "streams": args.streams, **{k: statistics.median(r[k] for r in rows) for k in (
             "tokens_per_s", "frontend_cores", "frontend_us_per_token", "frontend_switches_per_token")}})
     finally:
         if frontend is not None:

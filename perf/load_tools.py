@@ -153,13 +153,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pagedllm-load-"))
     chat = args.tool == "genai-perf" and args.endpoint_type == "chat"
     model = str(launcher.default_model()) if chat else model_dir("llama", args.size, "bfloat16")
-    server = launcher.launch_on_free_ports(work, model, ENGINE)
+    channel = str(work / "openai.sock") if chat else None  # the front end over the engine channel, as serve runs it
+    server = launcher.launch_on_free_ports(work, model, {**ENGINE, "openai_channel": channel})
     frontend = None
     try:
         http, grpc = f"127.0.0.1:{server.http_port}", f"127.0.0.1:{server.grpc_port}"
         if chat:
             port = free_port()
-            frontend = launcher.start_openai_frontend("127.0.0.1", port, grpc, drain_timeout=10)
+            frontend = launcher.start_openai_frontend("127.0.0.1", port, http, drain_timeout=10,
+                                                      engine_channel=channel)
             launcher.wait_openai_ready(f"http://127.0.0.1:{port}", frontend)
             run_genai_perf_chat(f"127.0.0.1:{port}", model, args)
         elif args.tool == "perf_analyzer":

@@ -1,6 +1,6 @@
 """Served throughput and latency under load: pagedllm through the real tritonserver, both ways a client reaches
-it (Triton's own SSE `generate_stream`, and `pagedllm openai` in front of that Triton, as `pagedllm serve` runs
-it) and, with --with-vllm, `vllm serve` (its CPU build, OpenAI API), driven by one asyncio client at
+it (Triton's own SSE `generate_stream`, and `pagedllm openai` in front of that Triton over the model's engine
+channel, as `pagedllm serve` runs it) and, with --with-vllm, `vllm serve` (its CPU build, OpenAI API), driven by one asyncio client at
 concurrency 1, 8, 32 and 64.
 
     .venv/bin/python perf/serving.py --with-vllm            # 125M Llama, bf16, 2 rounds per engine
@@ -60,8 +60,9 @@ def make_prompts(path: str, n: int, seed: int) -> list[str]:
 class PagedServer:
     name = "pagedllm-triton"
 
-    def __init__(self, path: str) -> None:
-        self.run = launcher.launch_on_free_ports(Path(tempfile.mkdtemp(prefix="pagedllm-serving-")), path, ENGINE)
+    def __init__(self, path: str, engine_overrides: dict | None = None) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
+        self.run = launcher.launch_on_free_ports(self.workdir, path, {**ENGINE, **(engine_overrides or {})})
         self.url = f"http://127.0.0.1:{self.run.http_port}/v2/models/pagedllm/generate_stream"
 
     def body(self, prompt: str, max_tokens: int) -> dict:
@@ -78,12 +79,15 @@ class PagedOpenAIServer(PagedServer):
 
     name = "pagedllm-openai"
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, engine_channel: bool = True) -> None:
+        # As `pagedllm serve` runs it: over the model's engine channel (False: through Triton's HTTP endpoint).
+        channel = str(Path(tempfile.mkdtemp(prefix="pagedllm-channel-")) / "openai.sock") if engine_channel else None
+        super().__init__(path, {"openai_channel": channel})
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         try:
-            self.frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{self.run.http_port}", 10)
+            self.frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{self.run.http_port}", 10,
+                                                           channel)
             launcher.wait_openai_ready(base, self.frontend)
         except Exception:
             super().stop()

@@ -202,6 +202,9 @@ class ServingConfig:
     # READY meanwhile). "reload": the model unloads itself (NOT READY) and loads itself again; needs Triton's
     # explicit model control (`pagedllm serve` runs that and sets this).
     engine_restart: str = "in_process"
+    # A Unix socket path: the engine channel `pagedllm openai --engine-channel` reaches the model through
+    # (serving/engine_channel.py); None: none (the front end goes through Triton's HTTP endpoint).
+    openai_channel: str | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_metrics, bool), "enable_metrics", "must be true or false")
@@ -212,6 +215,9 @@ class ServingConfig:
         _require(isinstance(self.engine_restart_backoff_s, (int, float)) and
                  0 <= self.engine_restart_backoff_s <= 3600, "engine_restart_backoff_s",
                  f"must be seconds in [0, 3600], got {self.engine_restart_backoff_s!r}")
+        _require(self.openai_channel is None or (isinstance(self.openai_channel, str) and
+                                                 0 < len(self.openai_channel.encode()) < 108), "openai_channel",
+                 f"must be a Unix socket path of under 108 bytes, got {self.openai_channel!r}")
 
     @classmethod
     def split(cls, args: dict) -> tuple[ServingConfig, dict]:

@@ -1,12 +1,15 @@
 """The OpenAI-compatible front end, end to end: the official `openai` SDK (and raw HTTP where the exact bytes
 matter) against `pagedllm serve --openai-port`, which runs a real tritonserver with the tiny random Llama and
-starts the front end beside it. One server for the module; its last test stops it with SIGTERM (the front end
-drains first, then Triton) and checks that nothing it started is left."""
+starts the front end beside it. Every test runs twice: with the front end over the model's engine channel (as
+`pagedllm serve` runs it) and through Triton's HTTP endpoint (`--engine-arg openai_channel=null`). One server per
+way; its last test stops it with SIGTERM (the front end drains first, then Triton) and checks that nothing it
+started is left."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -40,23 +43,25 @@ LONG = {"ignore_eos": True}  # the random model may sample EOS early: token coun
 @dataclass
 class Served(triton_server.Server):
     openai_port: int = 0
+    over_channel: bool = True
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.openai_port}"
 
 
-@pytest.fixture(scope="module")
-def served(llama_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["engine-channel", "triton-http"])
+def served(request, llama_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
     http, grpc, metrics, port = free_ports(4)
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", llama_dir, "--workdir", str(work),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--openai-port", str(port), "--drain-timeout", "20"]
-    cmd += [a for k, v in ENGINE.items() for a in ("--engine-arg", f"{k}={json.dumps(v)}")]
+    engine = ENGINE if request.param == "engine-channel" else {**ENGINE, "openai_channel": None}
+    cmd += [a for k, v in engine.items() for a in ("--engine-arg", f"{k}={json.dumps(v)}")]
     log = work / "serve.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    server = Served(proc, http, grpc, metrics, log, port)
+    server = Served(proc, http, grpc, metrics, log, port, request.param == "engine-channel")
     deadline = time.monotonic() + 300
     while not _health_ok(server):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
@@ -111,6 +116,19 @@ def test_health_and_models(served, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_the_front_end_reaches_the_model_the_way_serve_chose(served):
+    front_end = [p for p in psutil.Process(served.proc.pid).children(recursive=True)
+                 if "openai" in " ".join(p.cmdline())]
+    assert len(front_end) == 1
+    args = front_end[0].cmdline()
+    if served.over_channel:
+        socket_path = args[args.index("--engine-channel") + 1]
+        assert f"engine channel for the OpenAI front end at {socket_path}" in served.log.read_text()
+        assert oct(os.stat(socket_path).st_mode & 0o777) == oct(0o600)
+    else:
+        assert "--engine-channel" not in args and "engine channel" not in served.log.read_text()
 
 
 def test_unknown_model_is_404_model_not_found(client):
@@ -375,8 +393,9 @@ def test_disconnect_while_waiting_for_a_whole_completion_cancels_it(served):
 
 
 def test_disconnect_while_waiting_for_a_ranked_completion_cancels_it(served):
-    """best_of > n: the model answers once, at the end, so Triton writes nothing to its connection until then;
-    the heartbeat the front end asks for is what lets Triton see the client leave."""
+    """best_of > n: the model answers once, at the end. Through Triton nothing is written to the connection
+    until then: the heartbeat the front end asks for is what lets Triton see the client leave. Over the engine
+    channel the front end sends `cancel`."""
     before = served.scrape()
     s = _send(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 1,
                                            "best_of": 2, "temperature": 1.0, **LONG})

@@ -55,9 +55,10 @@ def test_serving_drives_triton_and_the_openai_front_end():
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_p99_ms"] > 0 for r in levels)
 
 
-def test_frontend_overhead_measures_the_front_end_per_token():
-    records = run("frontend_overhead.py", "--quick")
-    assert [r["round"] for r in records if "round" in r] == [1]
+@pytest.mark.parametrize("way", ["channel", "http"])
+def test_frontend_overhead_measures_the_front_end_per_token(way):
+    records = run("frontend_overhead.py", "--quick", "--way", way)
+    assert [(r["round"], r["way"]) for r in records if "round" in r] == [(1, way)]
     median = next(r for r in records if r.get("median"))
     assert median["tokens_per_s"] > 0 and median["frontend_us_per_token"] > 0
 

@@ -2,11 +2,13 @@
 real one exists only inside Triton's stub; the end-to-end tests use the real server). The stand-in's senders
 record misuse the way Triton 24.10 punishes it: `send` after the final response raises, `is_cancelled` after
 it would read freed memory. Every request must get exactly one final response, whatever happens: bad input,
-cancellation, a dead engine and its restart, finalize with requests in flight."""
+cancellation, a dead engine and its restart, finalize with requests in flight; and so must every request that
+came over the engine channel (a real Unix socket) beside them."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -105,6 +107,33 @@ def fake_pb_utils(unload_allowed: bool):
     return m
 
 
+class ChannelClient:
+    """The front end's end of the engine channel, reduced to a socket and a reader thread: every event by id."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.events: dict[int, list[dict]] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def send(self, message: dict) -> None:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def request(self, rid: int, prompt: str, sampling: dict) -> None:
+        self.events[rid] = []
+        self.send({"id": rid, "inputs": {"text_input": prompt, "stream": True,
+                                         "sampling_parameters": json.dumps(sampling)}})
+
+    def finals(self, rid: int) -> list[dict]:
+        return [e for e in self.events[rid] if e.get("final")]
+
+    def _read(self) -> None:
+        with self.sock.makefile("rb") as lines:
+            for line in lines:
+                for rid, event in json.loads(line):
+                    self.events[rid].append(event)
+
+
 @pytest.fixture
 def adapter(llama_dir, tmp_path, monkeypatch):
     def make(fault_token: int, unload_allowed: bool):
@@ -117,7 +146,8 @@ def adapter(llama_dir, tmp_path, monkeypatch):
         (tmp_path / "1" / "engine.json").write_text(json.dumps({
             "model": llama_dir, "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 8 << 20,
             "fault_injection": {"point": "forward", "token_id": fault_token}, "engine_restart_backoff_s": 0.05,
-            "engine_restart": "reload" if unload_allowed else "in_process"}))
+            "engine_restart": "reload" if unload_allowed else "in_process",
+            "openai_channel": str(tmp_path / "channel.sock")}))
         config = {"name": "pagedllm", "parameters": {"enable_metrics": {"string_value": "false"}}}
         model = TritonPythonModel()
         model.initialize({"model_config": json.dumps(config), "model_name": "pagedllm",
@@ -149,16 +179,24 @@ def test_every_request_gets_one_final_response_through_death_restart_and_finaliz
     bad = FakeRequest("hi", {"max_tokens": -1}, "bad")
     cancelled = FakeRequest("import os", long, "cancelled")
     model.execute(requests + [bad, cancelled])
+    channel = ChannelClient(model.serving.openai_channel)  # beside Triton's requests: the front end's
+    for i in range(3):
+        channel.request(i, f"def g{i}():", long)
+    channel.request(3, "hi", {"max_tokens": -1})
+    wait_for(lambda: all(len(channel.events[i]) >= 2 for i in range(3)) and channel.finals(3))
+    channel.send({"cancel": 2})
     wait_for(lambda: all(len(r.sender.responses) >= 2 for r in requests + [cancelled]))
     cancelled.sender.cancel = True
-    wait_for(lambda: cancelled.sender.finals)
+    wait_for(lambda: cancelled.sender.finals and channel.finals(2))
     model.execute([FakeRequest(trigger, long, "trigger")])  # the forward pass fails: the engine is dead
-    wait_for(lambda: all(r.sender.finals for r in requests))
+    wait_for(lambda: all(r.sender.finals for r in requests) and channel.finals(0) and channel.finals(1))
     for r in requests:
         assert r.sender.responses[-1].error.code == TritonError.UNAVAILABLE
         assert "engine failed" in r.sender.responses[-1].error.message
     assert bad.sender.responses[-1].error.code == TritonError.INVALID_ARG
     assert cancelled.sender.responses[-1].error.code == TritonError.CANCELLED
+    assert [channel.events[i][-1]["error"].split(":")[0] for i in range(4)] == [
+        "engine failed", "engine failed", "request was cancelled", "max_tokens"]
     if unload_allowed:  # explicit model control: the model unloads itself and asks Triton to load it again
         wait_for(lambda: pb.loads)
         name, config = pb.loads[0]
@@ -166,14 +204,27 @@ def test_every_request_gets_one_final_response_through_death_restart_and_finaliz
         late = [FakeRequest("def late():", {"max_tokens": 4}, "late")]
         model.execute(late)  # the old instance refuses what still reaches it
         assert late[0].sender.responses[-1].error.code == TritonError.UNAVAILABLE
+        # ... and has left the channel's path to the instance loading next
+        with pytest.raises(FileNotFoundError):
+            ChannelClient(model.serving.openai_channel)
+        late_on_channel = []
     else:  # in process: the engine comes back and serves
         wait_for(lambda: model.loop.healthy, timeout=120)
         assert model.loop.restarts == 1
         late = [FakeRequest(f"def again{i}():", long, f"again{i}") for i in range(3)]
         model.execute(late)
-        wait_for(lambda: all(len(r.sender.responses) >= 2 for r in late))
+        late_on_channel = [4, 5]
+        for i in late_on_channel:
+            channel.request(i, f"def h{i}():", long)
+        wait_for(lambda: all(len(r.sender.responses) >= 2 for r in late)
+                 and all(len(channel.events[i]) >= 2 for i in late_on_channel))
     model.finalize()  # with requests still in flight: each gets its one final error
     _finals_only_once(requests + late + [bad, cancelled])
+    wait_for(lambda: all(channel.finals(i) for i in late_on_channel))
+    for i, events in channel.events.items():  # one final event each, and nothing after it
+        assert len(channel.finals(i)) == 1 and events[-1].get("final"), (i, events[-2:])
+    for i in late_on_channel:
+        assert channel.events[i][-1]["error"].startswith("request aborted")
 
 
 def test_a_channel_refuses_everything_after_its_final_response():

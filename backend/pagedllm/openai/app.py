@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from pagedllm.openai.channel_bridge import ChannelBridge
 from pagedllm.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,15 +37,18 @@ from pagedllm.openai.triton_bridge import Delta, TritonBridge
 
 
 def create_app(triton_url: str, model_name: str = "pagedllm", served_model_name: str | None = None,
-               lora_separator: str | None = "_lora_") -> FastAPI:
+               lora_separator: str | None = "_lora_", engine_channel: str | None = None) -> FastAPI:
     """`lora_separator`: a request for model `<served><separator><adapter>` runs that LoRA adapter (Triton's
-    OpenAI front end's form); None: adapters are not reachable by model name."""
+    OpenAI front end's form); None: adapters are not reachable by model name. `engine_channel`: the model's
+    channel socket, which requests then take instead of Triton's HTTP endpoint."""
     served = served_model_name or model_name
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.bridge = TritonBridge(triton_url, model_name)  # in the server's event loop (aiohttp)
+        # Made in the server's event loop (aiohttp's session and asyncio's streams belong to it).
+        app.state.bridge = (ChannelBridge(engine_channel, triton_url, model_name) if engine_channel
+                            else TritonBridge(triton_url, model_name))
         yield
         await app.state.bridge.close()
 

@@ -91,7 +91,7 @@ class TritonBridge:
                     async for event in _events(resp.content):
                         if "error" in event:
                             raise triton_errors.from_stream_message(event["error"], params)
-                        for delta in _deltas(event):
+                        for delta in deltas_of(event):
                             yield delta
                 finally:
                     # Read to its end, the response has already handed its connection back to the pool (this
@@ -121,22 +121,28 @@ async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict]:
                         raise OpenAIError(502, f"Triton: an event that is not JSON: {line[:200]!r}") from None
 
 
+def request_inputs(sampling: dict, prompt: str | None, messages: list | None, logprobs: bool,
+                   stream: bool) -> dict:
+    """The model's inputs for one OpenAI request, by name (as the generate endpoint and the engine channel take
+    them)."""
+    # Exactly one of text_input / messages: the model renders messages with its chat template.
+    inputs = {"stream": stream, "sampling_parameters": json.dumps(sampling),
+              "exclude_input_in_output": True,  # OpenAI never repeats the prompt (echo is refused)
+              "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True}
+    if messages is not None:
+        inputs["messages"] = json.dumps(messages)
+    else:
+        inputs["text_input"] = prompt
+    if logprobs:
+        inputs["return_logprobs"] = True
+    return inputs
+
+
 def _body(sampling: dict, prompt: str | None, messages: list | None, logprobs: bool,
           stream: bool) -> bytes:
-    # Exactly one of text_input / messages: the model renders messages with its chat template.
-    body = {"stream": stream, "sampling_parameters": json.dumps(sampling),
-            "exclude_input_in_output": True,  # OpenAI never repeats the prompt (echo is refused)
-            "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
-            # An empty response from the model after each half second without one: Triton notices that this
-            # connection closed only when it writes to it (a request queued, prefilling, or final-only).
-            "heartbeat": True}
-    if messages is not None:
-        body["messages"] = json.dumps(messages)
-    else:
-        body["text_input"] = prompt
-    if logprobs:
-        body["return_logprobs"] = True
-    return json.dumps(body).encode()
+    # An empty response from the model after each half second without one: Triton notices that this
+    # connection closed only when it writes to it (a request queued, prefilling, or final-only).
+    return json.dumps({**request_inputs(sampling, prompt, messages, logprobs, stream), "heartbeat": True}).encode()
 
 
 def _message(text: str) -> str:
@@ -148,7 +154,7 @@ def _message(text: str) -> str:
         return text
 
 
-def _deltas(event: dict) -> list[Delta]:
+def deltas_of(event: dict) -> list[Delta]:
     """One event's deltas, one per sequence it carries. Triton writes an output of one element as a scalar and
     one of several (a response carrying several samples) as a list."""
     texts = _each(event.get("text_output"))

@@ -13,7 +13,9 @@ flight (up to `--drain-timeout` seconds, its exit timeout) and unload the model;
 of the drain, kills the whole group, so nothing the server started outlives it.
 
 With `--openai-port` (default 9000; 0 = off), `pagedllm openai` runs beside it as a subprocess once the model is
-ready: an OpenAI-compatible HTTP front end that talks to tritonserver over gRPC. A signal stops it first (it
+ready: an OpenAI-compatible HTTP front end that reaches the model over its engine channel (a Unix socket in the
+workdir, `openai_channel` in engine.json; serving/engine_channel.py), Triton's HTTP endpoint telling it whether the
+model is ready. A signal stops it first (it
 drains its own open requests, which Triton is still serving), then tritonserver drains; it is killed in any
 case when `serve` ends. A signal while `serve` is still starting (tritonserver loading, or already serving while
 the front end starts) is treated the same way: whatever has started drains.
@@ -216,12 +218,22 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
     return Launched(proc, *ports, log)
 
 
-def start_openai_frontend(host: str, port: int, triton_http_url: str, drain_timeout: int) -> subprocess.Popen:
+def start_openai_frontend(host: str, port: int, triton_http_url: str, drain_timeout: int,
+                          engine_channel: str | None = None) -> subprocess.Popen:
     """`pagedllm openai` in a session of its own (a Ctrl-C at the terminal reaches `serve` alone, which stops the
-    front end before tritonserver), listening on `host`:`port`."""
+    front end before tritonserver), listening on `host`:`port`; over the model's engine channel where given."""
     cmd = [sys.executable, "-m", "pagedllm.cli", "openai", "--triton-url", triton_http_url, "--host", host,
            "--port", str(port), "--drain-timeout", str(drain_timeout)]
+    if engine_channel:
+        cmd += ["--engine-channel", engine_channel]
     return subprocess.Popen(cmd, start_new_session=True)
+
+
+def engine_channel_path(workdir: Path) -> str | None:
+    """Where the model's engine channel listens for a server laid out in `workdir` (None: the path would be too
+    long for a Unix socket, and the front end goes through Triton's HTTP endpoint instead)."""
+    path = str(workdir / "openai.sock")
+    return path if len(path.encode()) < 108 else None
 
 
 def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0,
@@ -281,7 +293,8 @@ def serve(args) -> int:
     model = args.model or str(default_model())
     work = Path(args.workdir).resolve()  # tritonserver runs from / (see the module's docstring)
     # Under explicit model control a model whose engine died can unload itself (NOT READY) and load again.
-    overrides = {"engine_restart": "reload", **_parse_overrides(args.engine_arg)}
+    channel = engine_channel_path(work) if args.openai_port else None
+    overrides = {"engine_restart": "reload", "openai_channel": channel, **_parse_overrides(args.engine_arg)}
     if args.lora_modules:
         overrides.update(enable_lora=True, lora_modules=[_lora_module(m) for m in args.lora_modules])
     repo = prepare_model_repository(work / "model_repository", model, overrides)
@@ -323,7 +336,7 @@ def serve(args) -> int:
         openai_url = f"http://{local}:{args.openai_port}"
         if args.openai_port and not signals:
             frontend.append(start_openai_frontend(args.host, args.openai_port, f"{local}:{args.http_port}",
-                                                  args.drain_timeout))
+                                                  args.drain_timeout, overrides["openai_channel"]))
             wait_openai_ready(openai_url, frontend[0], cancelled=stopping)
         if not signals:
             print(f"""

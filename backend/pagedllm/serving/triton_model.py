@@ -39,6 +39,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.scheduler import QueueFullError
 from pagedllm.models.checkpoint import load_tokenizer
 from pagedllm.serving.cancellation import due_for_asking
+from pagedllm.serving.engine_channel import ChannelServer, ChannelStream
 from pagedllm.serving.engine_loop import EngineDeadError, EngineLoop
 from pagedllm.serving.metrics import MetricsPublisher
 from pagedllm.serving.multi_lora import with_multi_lora
@@ -66,9 +67,36 @@ RESTARTS_PARAMETER = "pagedllm_engine_restarts"
 IPC_LOCK = threading.RLock()
 
 
+class _TritonStream:
+    """One Triton request's way back: its ResponseChannel, each response built under IPC_LOCK. The engine
+    channel's ChannelStream has the same four methods."""
+
+    def __init__(self, channel: ResponseChannel) -> None:
+        self.channel = channel
+
+    def send_outputs(self, arrays: dict, final: bool = False) -> None:
+        with IPC_LOCK:
+            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in arrays.items()])
+        self.channel.send(response, final=final)
+
+    def send_error(self, message: str, code: str = "INTERNAL") -> None:
+        with IPC_LOCK:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError,
+                                                                                              code)))
+        self.channel.send(response, final=True)
+
+    def send_heartbeat(self) -> None:
+        with IPC_LOCK:
+            empty = pb_utils.InferenceResponse(output_tensors=[])
+        self.channel.send(empty)  # nothing, once the request's final response went out
+
+    def is_cancelled(self) -> bool:
+        return self.channel.is_cancelled()
+
+
 @dataclass
 class _InFlight:
-    channel: ResponseChannel
+    stream: _TritonStream | ChannelStream
     builder: ResponseBuilder
     triton_id: str
     cancelled: bool = False
@@ -93,12 +121,14 @@ class TritonPythonModel:
         self.restarts_before = int(self._param(RESTARTS_PARAMETER, "0"))  # by earlier loads of this model
         self.inflight: dict[str, _InFlight] = {}
         self.lock = threading.Lock()
+        self.intake_lock = threading.Lock()
         self.ids = itertools.count()
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
         self.num_rejected = 0
         self.num_cancelled = 0
         self.reloader: threading.Thread | None = None
         self.metrics = None
+        self.engine_channel: ChannelServer | None = None
         self.loop = EngineLoop(self._build_engine, self._on_output, on_dead=self._on_engine_dead,
                                max_restarts=self.serving.max_engine_restarts,
                                backoff_s=self.serving.engine_restart_backoff_s, freeze_heap=True)
@@ -116,8 +146,19 @@ class TritonPythonModel:
         self.response_thread = threading.Thread(target=self._response_loop, name="pagedllm-responses",
                                                 daemon=True)
         self.response_thread.start()
+        self.engine_channel = self._open_channel()
         logger.info("model %s ready in %.1f s (engine args %s, %s, %d engine restarts before this load)",
                     self.model_name, time.monotonic() - started, engine_args, self.serving, self.restarts_before)
+
+    def _open_channel(self) -> ChannelServer | None:
+        """The engine channel for `pagedllm openai`, where engine.json's `openai_channel` names its socket."""
+        if not self.serving.openai_channel:
+            return None
+        try:
+            return ChannelServer(self.serving.openai_channel, self._accept_from_channel, self._cancel_from_channel)
+        except OSError as e:  # another instance serves it (or the path is unusable): Triton's endpoints remain
+            logger.warning("no engine channel on this instance: %s", e)
+            return None
 
     def _build_engine(self) -> LLMEngine:
         engine = LLMEngine(self.engine_config)
@@ -149,48 +190,74 @@ class TritonPythonModel:
     def _accept(self, request) -> None:
         received = time.monotonic()  # the engine takes it between steps: its wait for one counts as queued
         with IPC_LOCK:
-            channel = ResponseChannel(request.get_response_sender(), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                                      IPC_LOCK)
+            stream = _TritonStream(ResponseChannel(request.get_response_sender(),
+                                                   pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, IPC_LOCK))
             triton_id = request.request_id() or ""
+            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+            raw_parameters = request.parameters()
         try:
-            with IPC_LOCK:
-                inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-                raw_parameters = request.parameters()
             parameters = {k: v for k, v in json.loads(raw_parameters or "{}").items()
                           if not k.startswith("triton_")}  # triton_* are the frontend's own
-            parsed = parse_request(inputs, parameters, self.engine_config.limits)
-            if parsed.pad_id is not None:
-                self.inputs.check_token_ids("pad_id", [parsed.pad_id])
-            if parsed.messages is not None:
-                processed = self.inputs.process_chat(parsed.messages, parsed.params, parsed.priority, parsed.timeout,
-                                                     lora=parsed.lora)
-            else:
-                processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout,
-                                                parsed.lora)
+        except ValueError as e:
+            self._reject(stream, str(e), "INVALID_ARG", triton_id)
+            return
+        self._admit(stream, inputs, parameters, triton_id, received)
+
+    def _accept_from_channel(self, stream: ChannelStream, inputs: dict, parameters: dict) -> None:
+        self._admit(stream, inputs, parameters, "", time.monotonic())
+
+    def _admit(self, stream, inputs: dict, parameters: dict, triton_id: str, received: float) -> None:
+        """Parse, tokenize and validate one request (Triton's or the engine channel's), then queue it."""
+        try:
+            with self.intake_lock:  # Triton's thread and the channel's readers share the tokenizer
+                processed, parsed = self._process(inputs, parameters)
         except (InvalidRequest, ValueError) as e:
-            self._reject(channel, str(e), pb_utils.TritonError.INVALID_ARG, triton_id)
+            self._reject(stream, str(e), "INVALID_ARG", triton_id)
             return
         except Exception as e:  # anything else about this one request (a tokenizer failure, say)
             logger.exception("could not process request %s", triton_id or "-")
-            self._reject(channel, f"could not process the request: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL,
-                         triton_id)
+            self._reject(stream, f"could not process the request: {type(e).__name__}: {e}", "INTERNAL", triton_id)
             return
         processed = dataclasses.replace(processed, arrival_time=received)
         rid = f"{next(self.ids)}:{triton_id}" if triton_id else str(next(self.ids))
+        stream.rid = rid  # a channel's cancellation names the stream
         with self.lock:  # registered first: the engine thread may answer before submit returns
-            self.inflight[rid] = _InFlight(channel, ResponseBuilder(parsed, len(processed.prompt_token_ids),
-                                                                     self.engine_config.cache.block_size),
+            self.inflight[rid] = _InFlight(stream, ResponseBuilder(parsed, len(processed.prompt_token_ids),
+                                                                    self.engine_config.cache.block_size),
                                            triton_id)
         try:
             self.loop.submit(rid, processed)
         except EngineDeadError as e:
             with self.lock:
                 self.inflight.pop(rid, None)
-            self._reject(channel, str(e), pb_utils.TritonError.UNAVAILABLE, triton_id)
+            self._reject(stream, str(e), "UNAVAILABLE", triton_id)
 
-    def _reject(self, channel: ResponseChannel, message: str, code, triton_id: str) -> None:
+    def _process(self, inputs: dict, parameters: dict):
+        parsed = parse_request(inputs, parameters, self.engine_config.limits)
+        if parsed.pad_id is not None:
+            self.inputs.check_token_ids("pad_id", [parsed.pad_id])
+        if parsed.messages is not None:
+            processed = self.inputs.process_chat(parsed.messages, parsed.params, parsed.priority, parsed.timeout,
+                                                 lora=parsed.lora)
+        else:
+            processed = self.inputs.process(parsed.prompt, parsed.params, parsed.priority, parsed.timeout,
+                                            parsed.lora)
+        return processed, parsed
+
+    def _reject(self, stream, message: str, code: str, triton_id: str) -> None:
         self.num_rejected += 1
-        self._send_error(channel, message, code, triton_id)
+        self._send_error(stream, message, code, triton_id)
+
+    def _cancel_from_channel(self, stream: ChannelStream) -> None:
+        """The front end cancelled a request, or went away: abort it now (no sweep needed)."""
+        rid = getattr(stream, "rid", None)
+        with self.lock:
+            state = self.inflight.get(rid) if rid is not None else None
+            if state is None or state.cancelled:
+                return
+            state.cancelled = True
+        self.num_cancelled += 1
+        self.loop.abort(rid)
 
     # --- engine thread -----------------------------------------------------------------------
     def _on_output(self, rid, out, err) -> None:
@@ -214,6 +281,8 @@ class TritonPythonModel:
             return False
         logger.error("engine died (%s): model %s unloaded (NOT READY); it will load itself again", err,
                      self.model_name)
+        if self.engine_channel is not None:
+            self.engine_channel.stop_listening()  # the path is the next instance's to take
         self.reloader = threading.Thread(target=self._reload, name="pagedllm-reload", daemon=True)
         self.reloader.start()
         return True
@@ -250,6 +319,8 @@ class TritonPythonModel:
                     self._respond(*item)
                 except Exception:  # one broken response must not stop the others
                     logger.exception("failed to send a response for %s", item[0])
+            if self.engine_channel is not None:
+                self.engine_channel.flush()  # the batch's events for each front end: one write each
             if stop:
                 return
             now = time.monotonic()
@@ -287,35 +358,33 @@ class TritonPythonModel:
         if err is not None:
             if not isinstance(err, EngineDeadError):  # the engine refused it (overloaded)
                 self.num_rejected += 1
-            code = pb_utils.TritonError.UNAVAILABLE if isinstance(err, (QueueFullError, EngineDeadError)) else pb_utils.TritonError.INVALID_ARG
+            code = "UNAVAILABLE" if isinstance(err, (QueueFullError, EngineDeadError)) else "INVALID_ARG"
             self._finish(rid, state, error=(str(err), code))
             return
         reasons = {c.finish_reason for c in out.outputs}
         if "abort" in reasons:
             msg = "request was cancelled" if state.cancelled else "request aborted: the model is being unloaded"
-            self._finish(rid, state, error=(msg, pb_utils.TritonError.CANCELLED if state.cancelled else pb_utils.TritonError.UNAVAILABLE))
+            self._finish(rid, state, error=(msg, "CANCELLED" if state.cancelled else "UNAVAILABLE"))
             return
         if "error" in reasons:
             if not out.finished:  # one sample of several failed: the request fails, its other samples stop
                 self.loop.abort(rid)
-            self._finish(rid, state, error=(f"request failed: {out.error}", pb_utils.TritonError.INTERNAL))
+            self._finish(rid, state, error=(f"request failed: {out.error}", "INTERNAL"))
             return
         arrays = state.builder.arrays_for(out)
-        with IPC_LOCK:
-            response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in arrays.items()])
         if out.finished:
-            self._finish(rid, state, response=response)
+            self._finish(rid, state, arrays=arrays)
         else:
             state.sent_at = time.monotonic()
-            state.channel.send(response)
+            state.stream.send_outputs(arrays)
 
-    def _finish(self, rid, state: _InFlight, response=None, error=None) -> None:
+    def _finish(self, rid, state: _InFlight, arrays=None, error=None) -> None:
         with self.lock:
             self.inflight.pop(rid, None)
         if error is not None:
-            self._send_error(state.channel, error[0], error[1], state.triton_id)
+            self._send_error(state.stream, error[0], error[1], state.triton_id)
         else:
-            state.channel.send(response, final=True)
+            state.stream.send_outputs(arrays, final=True)
 
     def _sweep_cancellations(self, now: float, since_last_sweep_s: float) -> None:
         with self.lock:
@@ -323,30 +392,29 @@ class TritonPythonModel:
         for state in live.values():
             if state.builder.parsed.heartbeat and now - state.sent_at >= HEARTBEAT_S:
                 state.sent_at = now
-                with IPC_LOCK:
-                    empty = pb_utils.InferenceResponse(output_tensors=[])
-                state.channel.send(empty)  # nothing, once the request's final response went out
+                state.stream.send_heartbeat()
         for rid in due_for_asking({rid: s.asked_at for rid, s in live.items()}, since_last_sweep_s,
                                   CANCEL_CHECK_PERIOD_S):
             state = live[rid]
             state.asked_at = now
-            if state.channel.is_cancelled():  # False once its final response went out
+            if state.stream.is_cancelled():  # False once its final response went out
                 state.cancelled = True
                 self.num_cancelled += 1
                 self.loop.abort(rid)
 
     @staticmethod
-    def _send_error(channel: ResponseChannel, message: str, code, triton_id: str = "") -> None:
+    def _send_error(stream, message: str, code: str, triton_id: str = "") -> None:
+        """`code`: the name of Triton's error code (INVALID_ARG, UNAVAILABLE, INTERNAL, CANCELLED)."""
         message = " ".join(message.split())[:1000]  # one line, bounded
         logger.info("request %s failed: %s", triton_id or "-", message)
-        with IPC_LOCK:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-        channel.send(response, final=True)
+        stream.send_error(message, code)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def finalize(self) -> None:
         """Abort what is in flight (each gets a final error response), then join every thread."""
         logger.info("finalizing: %d requests in flight", len(self.inflight))
+        if self.engine_channel is not None:
+            self.engine_channel.stop_listening()  # nothing new; the path free for a successor loading now
         self.loop.stop()  # aborts what runs, shuts the engine (and any tensor-parallel workers) down
         if self.loop.running:
             logger.error("engine thread did not stop in time")
@@ -358,6 +426,8 @@ class TritonPythonModel:
             leftovers = list(self.inflight.items())
             self.inflight.clear()
         for _, state in leftovers:  # e.g. submitted after the loop stopped
-            self._send_error(state.channel, "the model is being unloaded", pb_utils.TritonError.UNAVAILABLE, state.triton_id)
+            self._send_error(state.stream, "the model is being unloaded", "UNAVAILABLE", state.triton_id)
+        if self.engine_channel is not None:
+            self.engine_channel.close()  # sends what is queued (those errors included) first
         if self.metrics is not None:
             self.metrics.stop()

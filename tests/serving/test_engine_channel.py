@@ -1,0 +1,146 @@
+"""The engine channel's model side (serving/engine_channel.py) over a real Unix socket, with the model's two
+callbacks stood in for: requests in as Triton-shaped arrays, one line per flush out, cancellation by message
+and by a closed connection, and a second server refused on a live path."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from pagedllm.serving.engine_channel import ChannelServer, to_arrays, to_event
+
+pytestmark = [pytest.mark.serving]
+
+
+class Model:
+    """What the model does with the channel's requests, recorded."""
+
+    def __init__(self) -> None:
+        self.requests: list = []
+        self.cancelled: list = []
+        self.arrived = threading.Event()
+        self.cancel_seen = threading.Event()
+
+    def on_request(self, stream, arrays, parameters) -> None:
+        self.requests.append((stream, arrays, parameters))
+        self.arrived.set()
+
+    def on_cancel(self, stream) -> None:
+        self.cancelled.append(stream)
+        self.cancel_seen.set()
+
+
+@pytest.fixture
+def served(tmp_path):
+    model = Model()
+    server = ChannelServer(str(tmp_path / "channel.sock"), model.on_request, model.on_cancel)
+    yield server, model
+    server.close()
+
+
+def connect(server: ChannelServer) -> tuple[socket.socket, object]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(server.path)
+    return sock, sock.makefile("rb")
+
+
+def send(sock: socket.socket, message: dict) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_inputs_become_triton_shaped_arrays_and_outputs_become_generate_events():
+    arrays = to_arrays({"text_input": "héllo", "stream": True, "sampling_parameters": "{}"})
+    assert arrays["text_input"].dtype == np.object_ and arrays["text_input"].tolist() == ["héllo".encode()]
+    assert arrays["stream"].dtype == np.bool_ and arrays["stream"].shape == (1,)
+    event = to_event({"text_output": np.array([b"a", "é".encode()], dtype=np.object_),
+                      "num_input_tokens": np.array([7], dtype=np.uint32)})
+    assert event == {"text_output": ["a", "é"], "num_input_tokens": 7}  # one element: a scalar, as Triton writes
+    for bad in ({"text_input": 3}, {"stream": "yes"}, {"max_tokens": 4}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            to_arrays(bad)
+
+
+def test_a_flush_carries_every_queued_event_in_one_line(served):
+    server, model = served
+    sock, lines = connect(server)
+    for i in range(3):
+        send(sock, {"id": i, "inputs": {"text_input": f"p{i}", "stream": True}, "parameters": {"x": 1}})
+    wait_for(lambda: len(model.requests) == 3)
+    assert [a["text_input"].tolist() for _, a, _ in model.requests] == [[b"p0"], [b"p1"], [b"p2"]]
+    assert model.requests[0][2] == {"x": 1}
+    for stream, _, _ in model.requests:
+        stream.send_outputs({"text_output": np.array([b"t"], dtype=np.object_)})
+    model.requests[1][0].send_outputs({"text_output": np.array([b"end"], dtype=np.object_)}, final=True)
+    server.flush()
+    assert json.loads(lines.readline()) == [[0, {"text_output": "t"}], [1, {"text_output": "t"}],
+                                            [2, {"text_output": "t"}], [1, {"text_output": "end", "final": True}]]
+    # A final event closes its stream: nothing more goes out for it, and it is not cancelled by a close.
+    model.requests[1][0].send_outputs({"text_output": np.array([b"late"], dtype=np.object_)})
+    model.requests[1][0].send_error("late too")
+    server.flush()
+    lines.close()
+    sock.close()  # the front end gone (its file and socket both closed: only then is the connection)
+    wait_for(lambda: len(model.cancelled) == 2)
+    assert sorted(s.request_id for s in model.cancelled) == [0, 2]
+
+
+def test_a_cancel_message_cancels_that_request_only(served):
+    server, model = served
+    sock, lines = connect(server)
+    send(sock, {"id": 5, "inputs": {"text_input": "a"}})
+    send(sock, {"id": 6, "inputs": {"text_input": "b"}})
+    wait_for(lambda: len(model.requests) == 2)
+    send(sock, {"cancel": 6})
+    send(sock, {"cancel": 99})  # unknown (already finished, say): nothing happens
+    assert model.cancel_seen.wait(10)
+    time.sleep(0.2)
+    assert [s.request_id for s in model.cancelled] == [6]
+    assert model.cancelled[0].is_cancelled() and not model.requests[0][0].is_cancelled()
+    model.cancelled[0].send_error("request was cancelled", "CANCELLED")
+    server.flush()
+    assert json.loads(lines.readline()) == [[6, {"error": "request was cancelled", "final": True}]]
+
+
+def test_a_request_the_channel_cannot_read_is_refused_at_once_and_the_connection_lives_on(served):
+    server, model = served
+    sock, lines = connect(server)
+    sock.sendall(b"not json\n")
+    send(sock, {"no id": 1})
+    send(sock, {"id": 1, "inputs": {"lora_weights": [1.0]}})
+    assert json.loads(lines.readline()) == [[1, {"error": "lora_weights: not an input the engine channel takes "
+                                                          "(or not of its type)", "final": True}]]
+    send(sock, {"id": 2, "inputs": {"text_input": "fine"}})
+    assert model.arrived.wait(10)
+    assert [s.request_id for s, _, _ in model.requests] == [2]
+
+
+def test_a_second_server_on_a_live_path_is_refused_and_a_stale_path_is_taken_over(served, tmp_path):
+    server, model = served
+    with pytest.raises(OSError, match="served by another process"):
+        ChannelServer(server.path, model.on_request, model.on_cancel)
+    sock, _ = connect(server)  # the first still serves
+    send(sock, {"id": 1, "inputs": {"text_input": "still here"}})
+    assert model.arrived.wait(10)
+    stale = str(tmp_path / "stale.sock")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(stale)  # a socket file nobody listens on: what a killed process leaves
+    left.close()
+    again = ChannelServer(stale, model.on_request, model.on_cancel)
+    try:
+        assert oct(os.stat(stale).st_mode & 0o777) == oct(0o600)
+    finally:
+        again.close()
+    assert not os.path.exists(stale)
