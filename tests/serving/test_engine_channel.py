@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from pagedllm.serving.engine_channel import ChannelServer, to_arrays, to_event
+from pagedllm.serving.engine_channel import ChannelConnection, ChannelServer, to_arrays, to_event
 
 pytestmark = [pytest.mark.serving]
 
@@ -127,20 +127,92 @@ def test_a_request_the_channel_cannot_read_is_refused_at_once_and_the_connection
     assert [s.request_id for s, _, _ in model.requests] == [2]
 
 
-def test_a_second_server_on_a_live_path_is_refused_and_a_stale_path_is_taken_over(served, tmp_path):
-    server, model = served
-    with pytest.raises(OSError, match="served by another process"):
-        ChannelServer(server.path, model.on_request, model.on_cancel)
-    sock, _ = connect(server)  # the first still serves
-    send(sock, {"id": 1, "inputs": {"text_input": "still here"}})
-    assert model.arrived.wait(10)
-    stale = str(tmp_path / "stale.sock")
-    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    left.bind(stale)  # a socket file nobody listens on: what a killed process leaves
-    left.close()
-    again = ChannelServer(stale, model.on_request, model.on_cancel)
+def test_the_newest_server_takes_the_path_and_an_older_ones_connections_carry_on(served, tmp_path):
+    """Triton loads a model's next instance before it finalizes the last: the next one takes the path (new
+    front-end connections reach it), the old one keeps serving the connections it has, and stopping it leaves
+    the path to the new one."""
+    old, model = served
+    kept, kept_lines = connect(old)
+    newer_model = Model()
+    newer = ChannelServer(old.path, newer_model.on_request, newer_model.on_cancel)
     try:
-        assert oct(os.stat(stale).st_mode & 0o777) == oct(0o600)
+        assert oct(os.stat(old.path).st_mode & 0o777) == oct(0o600)
+        fresh, _ = connect(newer)
+        send(fresh, {"id": 1, "inputs": {"text_input": "to the new one"}})
+        assert newer_model.arrived.wait(10)
+        send(kept, {"id": 2, "inputs": {"text_input": "to the old one"}})
+        assert model.arrived.wait(10)
+        model.requests[0][0].send_error("the model is being unloaded")
+        old.close()
+        assert json.loads(kept_lines.readline()) == [[2, {"error": "the model is being unloaded", "final": True}]]
+        again, _ = connect(newer)  # the path is still the new one's
+        send(again, {"id": 3, "inputs": {"text_input": "again"}})
+        wait_for(lambda: len(newer_model.requests) == 2)
     finally:
-        again.close()
-    assert not os.path.exists(stale)
+        newer.close()
+    with pytest.raises(ConnectionRefusedError):  # nobody listens there now, until the next instance
+        connect(newer)
+    stale = ChannelServer(old.path, model.on_request, model.on_cancel)  # a socket file left behind is replaced
+    stale.close()
+
+
+def test_a_request_the_model_fails_to_take_gets_its_error_and_the_connection_lives_on(served):
+    server, model = served
+    original = server.on_request
+
+    def failing(stream, arrays, parameters):
+        if arrays["text_input"].tolist() == [b"boom"]:
+            raise RuntimeError("tokenizer exploded")
+        original(stream, arrays, parameters)
+
+    server.on_request = failing
+    sock, lines = connect(server)
+    send(sock, {"id": 1, "inputs": {"text_input": "boom"}})
+    assert json.loads(lines.readline()) == [[1, {"error": "could not process the request: RuntimeError: tokenizer "
+                                                          "exploded", "final": True}]]
+    send(sock, {"id": 2, "inputs": ["not", "an", "object"]})
+    assert json.loads(lines.readline())[0][1]["error"] == "inputs, parameters: must be objects"
+    send(sock, {"id": 3, "inputs": {"text_input": "fine"}})
+    assert model.arrived.wait(10) and not model.cancelled
+
+
+def test_a_front_end_that_stops_reading_never_blocks_a_flush_and_is_dropped(served, monkeypatch):
+    """The model's response thread flushes; a front end that reads nothing must not stall it (every other request
+    waits on that thread). Its backlog grows to the limit, then the connection goes and its requests are
+    cancelled."""
+    server, model = served
+    monkeypatch.setattr(ChannelConnection, "MAX_BACKLOG_BYTES", 1 << 20)
+    sock, _ = connect(server)  # never read from
+    send(sock, {"id": 1, "inputs": {"text_input": "a"}})
+    wait_for(lambda: model.requests)
+    stream = model.requests[0][0]
+    token = {"text_output": np.array([b"x" * 4096], dtype=np.object_)}
+
+    def flood() -> None:
+        while not model.cancelled:
+            stream.send_outputs(token)
+            server.flush()
+
+    flooding = threading.Thread(target=flood, daemon=True)
+    flooding.start()
+    flooding.join(60)
+    assert not flooding.is_alive(), "a flush blocked on a front end that does not read"
+    assert [s.request_id for s in model.cancelled] == [1]
+    again, lines = connect(server)  # the server serves on
+    send(again, {"id": 2, "inputs": {"text_input": "b"}})
+    wait_for(lambda: len(model.requests) == 2)
+
+
+def test_a_request_line_over_the_limit_drops_that_connection_only(served, monkeypatch):
+    server, model = served
+    monkeypatch.setattr(ChannelConnection, "MAX_LINE_BYTES", 1000)
+    sock, lines = connect(server)
+    send(sock, {"id": 1, "inputs": {"text_input": "short"}})
+    wait_for(lambda: model.requests)
+    send(sock, {"id": 2, "inputs": {"text_input": "y" * 2000}})
+    assert lines.readline() == b""  # the model closed this connection ...
+    wait_for(lambda: [s.request_id for s in model.cancelled] == [1])  # ... and cancelled what it had sent
+    assert [s.request_id for s, _, _ in model.requests] == [1]
+    other, _ = connect(server)
+    send(other, {"id": 3, "inputs": {"text_input": "fine"}})
+    wait_for(lambda: len(model.requests) == 2)

@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from pagedllm.openai import triton_errors
 from pagedllm.openai.protocol import OpenAIError
 from pagedllm.openai.triton_bridge import Delta, TritonBridge, deltas_of, request_inputs
+
+logger = logging.getLogger(__name__)
 
 _BROKEN = {"broken": True}  # queued to every open request when the connection ends
 _LINE_LIMIT = 1 << 30  # one line holds a step's events, or a final-only completion with its logprobs
@@ -31,8 +34,9 @@ class ChannelBridge:
         self.path = path
         self.triton = TritonBridge(triton_url, model_name)  # readiness: the model's, through Triton
         self.ids = itertools.count()
-        self.pending: dict[int, asyncio.Queue] = {}
         self.writer: asyncio.StreamWriter | None = None
+        self.pending: dict[int, asyncio.Queue] = {}  # the current connection's open requests, by id
+        self.reading: asyncio.Task | None = None  # its reader (kept: the loop holds tasks only weakly)
         self.connecting = asyncio.Lock()
 
     async def is_ready(self) -> bool:
@@ -47,10 +51,10 @@ class ChannelBridge:
                        prompt: str | None = None, messages: list | None = None,
                        logprobs: bool = False, deltas: bool = True) -> AsyncIterator[Delta]:
         """As TritonBridge.generate: the request's deltas in order; raises OpenAIError."""
-        writer = await self._connection()
+        writer, pending = await self._connection()
         request_id = next(self.ids)
         events: asyncio.Queue = asyncio.Queue()
-        self.pending[request_id] = events
+        pending[request_id] = events
         done = False
         try:
             inputs = request_inputs(sampling, prompt, messages, logprobs, deltas)
@@ -66,34 +70,40 @@ class ChannelBridge:
                 for delta in deltas_of(event):
                     yield delta
         finally:
-            self.pending.pop(request_id, None)
+            pending.pop(request_id, None)
             if not done and not writer.is_closing():
                 _write(writer, {"cancel": request_id})
 
-    async def _connection(self) -> asyncio.StreamWriter:
+    async def _connection(self) -> tuple[asyncio.StreamWriter, dict[int, asyncio.Queue]]:
+        """The connection to the model (made anew if there is none, or it broke) and its open requests."""
         async with self.connecting:
             if self.writer is None or self.writer.is_closing():
                 try:
                     reader, self.writer = await asyncio.open_unix_connection(self.path, limit=_LINE_LIMIT)
                 except OSError as e:
                     raise OpenAIError(503, f"engine channel: unreachable ({self.path}): {e}") from None
-                asyncio.get_running_loop().create_task(self._read(reader, self.writer))
-            return self.writer
+                self.pending = {}  # a broken connection's requests are its reader's to fail, not the new one's
+                self.reading = asyncio.get_running_loop().create_task(
+                    self._read(reader, self.writer, self.pending))
+            return self.writer, self.pending
 
-    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    pending: dict[int, asyncio.Queue]) -> None:
+        """Hand each event to its request until the connection ends; then fail what is still open on it."""
         try:
             while line := await reader.readline():
                 for request_id, event in json.loads(line):
-                    events = self.pending.get(request_id)
+                    events = pending.get(request_id)
                     if events is not None:
                         events.put_nowait(event)
-        except (OSError, ValueError, asyncio.LimitOverrunError):
-            pass
+        except (OSError, asyncio.IncompleteReadError):
+            pass  # the model went away
+        except Exception:  # a line it should not have sent: say so, then fail what is open like a break
+            logger.exception("engine channel: an unreadable line from the model; the connection is dropped")
         finally:
             writer.close()
-            if self.writer is writer:
-                self.writer = None
-            for events in list(self.pending.values()):
+            for events in list(pending.values()):
                 events.put_nowait(_BROKEN)
 
 

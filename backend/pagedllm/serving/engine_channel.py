@@ -86,54 +86,112 @@ class ChannelStream:
         return self.cancel_requested and not self.closed
 
     def _send(self, event: dict, final: bool) -> None:
-        if self.closed:
-            return
-        self.closed = final
-        self.connection.queue(self.request_id, event)
+        self.connection.queue(self, event, final)
 
 
 class ChannelConnection:
-    """One front end's connection: a reader thread takes its requests; events queue until `flush`."""
+    """One front end's connection: a reader thread takes its requests; events queue until `flush`, which hands
+    them as one line to the connection's writer thread. The model's response thread never blocks on a front end:
+    one that stops reading only grows its own backlog, and past MAX_BACKLOG_BYTES it is dropped (the connection
+    shut, so its requests are cancelled) rather than held in memory without end."""
+
+    MAX_BACKLOG_BYTES = 256 << 20
+    MAX_LINE_BYTES = 256 << 20  # a request line (a prompt is at most engine.json's max_prompt_bytes)
 
     def __init__(self, sock: socket.socket, on_request: Callable, on_cancel: Callable) -> None:
         self.sock = sock
         self.on_request = on_request  # (stream, inputs arrays, parameters dict) -> None; errors sent by it
         self.on_cancel = on_cancel  # (stream) -> None
         self.streams: dict[int, ChannelStream] = {}
-        self.outbox: list = []
+        self.outbox: list = []  # events queued since the last flush
+        self.backlog: list[bytes] = []  # flushed lines the writer has yet to send
+        self.backlog_bytes = 0
+        self.closing = False  # no more lines: the writer sends the backlog, then shuts the connection
         self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
         self.reader = threading.Thread(target=self._read, name="pagedllm-channel-reader", daemon=True)
+        self.writer = threading.Thread(target=self._write, name="pagedllm-channel-writer", daemon=True)
 
-    def queue(self, request_id: int, event: dict) -> None:
+    def start(self) -> None:
+        self.writer.start()  # first: the reader joins it when it ends
+        self.reader.start()
+
+    def queue(self, stream: ChannelStream, event: dict, final: bool) -> None:
+        """Queue a stream's event; nothing once its final event was queued (checked under the lock: two threads
+        may end a request at once, finalize and a late refusal, say)."""
         with self.lock:
-            self.outbox.append([request_id, event])
-            if event.get("final"):
-                self.streams.pop(request_id, None)
+            if stream.closed:
+                return
+            stream.closed = final
+            self.outbox.append([stream.request_id, event])
+            if final and self.streams.get(stream.request_id) is stream:
+                del self.streams[stream.request_id]
 
     def flush(self) -> None:
-        """Write everything queued as one line (nothing if the front end is gone: its requests are cancelled)."""
+        """Hand everything queued to the writer as one line (dropped if the connection is closing)."""
         with self.lock:
-            if not self.outbox:
+            if not self.outbox or self.closing:
+                self.outbox = []
                 return
             line = json.dumps(self.outbox).encode() + b"\n"
             self.outbox = []
-            with contextlib.suppress(OSError):
-                self.sock.sendall(line)
+            self.backlog.append(line)
+            self.backlog_bytes += len(line)
+            if self.backlog_bytes > self.MAX_BACKLOG_BYTES:
+                logger.error("engine channel: a front end %d MiB behind in reading is dropped",
+                             self.backlog_bytes >> 20)
+                self.backlog, self.closing = [], True
+            self.wake.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what was flushed (for up to `timeout` seconds), then shut the connection."""
+        with self.lock:
+            self.closing = True
+            self.wake.notify()
+        self.writer.join(timeout)
+        self._shut()
+
+    def _write(self) -> None:
+        while True:
+            with self.lock:
+                while not self.backlog and not self.closing:
+                    self.wake.wait()
+                lines, self.backlog, self.backlog_bytes = self.backlog, [], 0
+                done = self.closing
+            try:
+                self.sock.sendall(b"".join(lines))
+            except OSError:
+                done = True
+            if done:
+                self._shut()  # the reader sees the end and cancels what is still open
+                return
+
+    def _shut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _read(self) -> None:
         try:
             with self.sock.makefile("rb") as lines:
-                for line in lines:
+                while line := lines.readline(self.MAX_LINE_BYTES + 1):
+                    if len(line) > self.MAX_LINE_BYTES:
+                        logger.error("engine channel: a line of over %d MiB; the connection is dropped",
+                                     self.MAX_LINE_BYTES >> 20)
+                        break
                     self._handle(line)
         except OSError:
             pass
         finally:
             with self.lock:
+                self.closing = True
                 left = list(self.streams.values())
                 self.streams.clear()
-            for stream in left:  # the front end is gone: nobody reads these any more
+                self.wake.notify()
+            self._shut()  # the front end is gone (or dropped): nothing more goes to it, and no write blocks
+            for stream in left:  # nobody reads these any more
                 stream.cancel_requested = True
                 self.on_cancel(stream)
+            self.writer.join(5.0)
             with contextlib.suppress(OSError):
                 self.sock.close()
 
@@ -154,33 +212,47 @@ class ChannelConnection:
         with self.lock:
             self.streams[stream.request_id] = stream
         try:
-            arrays = to_arrays(message.get("inputs") or {})
-            parameters = message.get("parameters") or {}
-            if not isinstance(parameters, dict):
-                raise ChannelRequestError("parameters: must be an object")
-        except ChannelRequestError as e:
+            inputs, parameters = message.get("inputs") or {}, message.get("parameters") or {}
+            if not isinstance(inputs, dict) or not isinstance(parameters, dict):
+                raise ChannelRequestError("inputs, parameters: must be objects")
+            arrays = to_arrays(inputs)
+        except (ChannelRequestError, UnicodeError) as e:
             stream.send_error(str(e))
         else:
-            self.on_request(stream, arrays, parameters)
+            try:
+                self.on_request(stream, arrays, parameters)
+            except Exception as e:  # the model's intake failed for this one request: it alone gets the error
+                logger.exception("engine channel: request %s", stream.request_id)
+                stream.send_error(f"could not process the request: {type(e).__name__}: {e}")
         self.flush()  # a request refused at once hears of it now, not after the next step
 
 
 class ChannelServer:
-    """Listens on a Unix socket (made private to this user); each connection gets its reader thread."""
+    """Listens on a Unix socket, private to this user; each connection gets its reader and writer threads.
+
+    The newest instance of the model owns the path: Triton loads a model's next instance before it finalizes the
+    last (a reload, an engine failure's reload), and front ends should reach the one that will stay. So the socket
+    is bound under a name of its own and renamed onto the path (atomically replacing an older instance's, whose
+    open connections carry on). An instance that stops listening leaves the path alone: removing it could race
+    with a successor's rename, and a socket nobody listens on only refuses connections until the next instance
+    replaces it."""
 
     def __init__(self, path: str, on_request: Callable, on_cancel: Callable) -> None:
         self.path = path
         self.on_request, self.on_cancel = on_request, on_cancel
         self.connections: list[ChannelConnection] = []
         self.lock = threading.Lock()
-        if _answers(path):  # another instance of the model serves it: two on one path would steal it
-            raise OSError(f"engine channel {path} is served by another process")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # left by a process that is gone
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        os.chmod(path, 0o600)
+        own = f"{path}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(own)  # left by a process of the same pid, long gone
+        umask = os.umask(0o177)  # created 0600: no moment at which another user could connect
+        try:
+            self.listener.bind(own)
+        finally:
+            os.umask(umask)
         self.listener.listen()
+        os.replace(own, path)
         self.acceptor = threading.Thread(target=self._accept, name="pagedllm-channel", daemon=True)
         self.acceptor.start()
         logger.info("engine channel for the OpenAI front end at %s", path)
@@ -192,12 +264,10 @@ class ChannelServer:
             connection.flush()
 
     def stop_listening(self) -> None:
-        """No new connections, and the path free for the instance that loads next (a reload after an engine
-        failure loads it while this one still finalizes); open connections still get what is queued for them."""
+        """No new connections (a front end connecting gets a refusal until the next instance takes the path);
+        open connections still get what is queued for them."""
         if self.listener.fileno() < 0:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # first: once closed, the path may be a successor's, not ours to remove
         with contextlib.suppress(OSError):
             self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
@@ -209,8 +279,7 @@ class ChannelServer:
             connections, self.connections = self.connections, []
         for connection in connections:
             connection.flush()
-            with contextlib.suppress(OSError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
+            connection.close()
 
     def _accept(self) -> None:
         while True:
@@ -219,15 +288,11 @@ class ChannelServer:
             except OSError:  # closed
                 return
             connection = ChannelConnection(sock, self.on_request, self.on_cancel)
+            connection.start()
             with self.lock:
-                self.connections = [c for c in self.connections if c.reader.is_alive()] + [connection]
-            connection.reader.start()
+                closed = self.listener.fileno() < 0  # close() ran meanwhile and did not see this one
+                if not closed:
+                    self.connections = [c for c in self.connections if c.reader.is_alive()] + [connection]
+            if closed:
+                connection.close()
 
-
-def _answers(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True

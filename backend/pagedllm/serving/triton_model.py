@@ -156,7 +156,7 @@ class TritonPythonModel:
             return None
         try:
             return ChannelServer(self.serving.openai_channel, self._accept_from_channel, self._cancel_from_channel)
-        except OSError as e:  # another instance serves it (or the path is unusable): Triton's endpoints remain
+        except OSError as e:  # the path is unusable: Triton's endpoints remain
             logger.warning("no engine channel on this instance: %s", e)
             return None
 
@@ -229,8 +229,9 @@ class TritonPythonModel:
             self.loop.submit(rid, processed)
         except EngineDeadError as e:
             with self.lock:
-                self.inflight.pop(rid, None)
-            self._reject(stream, str(e), "UNAVAILABLE", triton_id)
+                state = self.inflight.pop(rid, None)
+            if state is not None:  # else finalize took it meanwhile and sent its error
+                self._reject(stream, str(e), "UNAVAILABLE", triton_id)
 
     def _process(self, inputs: dict, parameters: dict):
         parsed = parse_request(inputs, parameters, self.engine_config.limits)
@@ -282,7 +283,7 @@ class TritonPythonModel:
         logger.error("engine died (%s): model %s unloaded (NOT READY); it will load itself again", err,
                      self.model_name)
         if self.engine_channel is not None:
-            self.engine_channel.stop_listening()  # the path is the next instance's to take
+            self.engine_channel.stop_listening()  # front ends wait for the next instance, which takes the path
         self.reloader = threading.Thread(target=self._reload, name="pagedllm-reload", daemon=True)
         self.reloader.start()
         return True
@@ -414,7 +415,7 @@ class TritonPythonModel:
         """Abort what is in flight (each gets a final error response), then join every thread."""
         logger.info("finalizing: %d requests in flight", len(self.inflight))
         if self.engine_channel is not None:
-            self.engine_channel.stop_listening()  # nothing new; the path free for a successor loading now
+            self.engine_channel.stop_listening()  # nothing new reaches this instance
         self.loop.stop()  # aborts what runs, shuts the engine (and any tensor-parallel workers) down
         if self.loop.running:
             logger.error("engine thread did not stop in time")
