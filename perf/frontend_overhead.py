@@ -155,8 +155,8 @@ def main() -> None:
     if args.quick:
         args.streams, args.tokens, args.seconds, args.rounds = 8, 16, 2.0, 1
     triton_port, port = free_port(), free_port()
-    channel = str(Path(tempfile.mkdtemp(prefix="pagedllm-overhead-")) / "channel.sock") if args.way == "channel" \
-        else None
+    channel = launcher.engine_channel_path(Path(tempfile.mkdtemp(prefix="pagedllm-overhead-"))) \
+        if args.way == "channel" else None
     fake = subprocess.Popen([sys.executable, __file__, "--stand-in", str(triton_port), "--rate", str(args.rate)]
                             + (["--channel", channel] if channel else []), start_new_session=True)
     frontend = None

@@ -153,7 +153,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pagedllm-load-"))
     chat = args.tool == "genai-perf" and args.endpoint_type == "chat"
     model = str(launcher.default_model()) if chat else model_dir("llama", args.size, "bfloat16")
-    channel = str(work / "openai.sock") if chat else None  # the front end over the engine channel, as serve runs it
+    channel = launcher.engine_channel_path(work) if chat else None  # the front end over it, as serve runs it
     server = launcher.launch_on_free_ports(work, model, {**ENGINE, "openai_channel": channel})
     frontend = None
     try:

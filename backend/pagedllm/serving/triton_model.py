@@ -193,24 +193,26 @@ class TritonPythonModel:
             stream = _TritonStream(ResponseChannel(request.get_response_sender(),
                                                    pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, IPC_LOCK))
             triton_id = request.request_id() or ""
+        self._admit(stream, lambda: self._triton_inputs(request), triton_id, received)
+
+    @staticmethod
+    def _triton_inputs(request) -> tuple[dict, dict]:
+        with IPC_LOCK:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             raw_parameters = request.parameters()
-        try:
-            parameters = {k: v for k, v in json.loads(raw_parameters or "{}").items()
-                          if not k.startswith("triton_")}  # triton_* are the frontend's own
-        except ValueError as e:
-            self._reject(stream, str(e), "INVALID_ARG", triton_id)
-            return
-        self._admit(stream, inputs, parameters, triton_id, received)
+        parameters = {k: v for k, v in json.loads(raw_parameters or "{}").items()
+                      if not k.startswith("triton_")}  # triton_* are the frontend's own
+        return inputs, parameters
 
     def _accept_from_channel(self, stream: ChannelStream, inputs: dict, parameters: dict) -> None:
-        self._admit(stream, inputs, parameters, "", time.monotonic())
+        self._admit(stream, lambda: (inputs, parameters), "", time.monotonic())
 
-    def _admit(self, stream, inputs: dict, parameters: dict, triton_id: str, received: float) -> None:
-        """Parse, tokenize and validate one request (Triton's or the engine channel's), then queue it."""
+    def _admit(self, stream, read_inputs, triton_id: str, received: float) -> None:
+        """Read (`read_inputs()`: the inputs by name and the parameters), parse, tokenize and validate one
+        request, Triton's or the engine channel's, then queue it; any failure is that request's error alone."""
         try:
             with self.intake_lock:  # Triton's thread and the channel's readers share the tokenizer
-                processed, parsed = self._process(inputs, parameters)
+                processed, parsed = self._process(*read_inputs())
         except (InvalidRequest, ValueError) as e:
             self._reject(stream, str(e), "INVALID_ARG", triton_id)
             return
@@ -251,12 +253,14 @@ class TritonPythonModel:
 
     def _cancel_from_channel(self, stream: ChannelStream) -> None:
         """The front end cancelled a request, or went away: abort it now (no sweep needed)."""
-        rid = getattr(stream, "rid", None)
         with self.lock:
-            state = self.inflight.get(rid) if rid is not None else None
+            state = self.inflight.get(stream.rid) if stream.rid is not None else None
             if state is None or state.cancelled:
                 return
-            state.cancelled = True
+            self._abort_cancelled(stream.rid, state)
+
+    def _abort_cancelled(self, rid: str, state: _InFlight) -> None:
+        state.cancelled = True
         self.num_cancelled += 1
         self.loop.abort(rid)
 
@@ -399,9 +403,7 @@ class TritonPythonModel:
             state = live[rid]
             state.asked_at = now
             if state.stream.is_cancelled():  # False once its final response went out
-                state.cancelled = True
-                self.num_cancelled += 1
-                self.loop.abort(rid)
+                self._abort_cancelled(rid, state)
 
     @staticmethod
     def _send_error(stream, message: str, code: str, triton_id: str = "") -> None:
