@@ -176,10 +176,12 @@ def test_a_request_the_model_fails_to_take_gets_its_error_and_the_connection_liv
     assert model.arrived.wait(10) and not model.cancelled
 
 
-def test_a_front_end_that_stops_reading_never_blocks_a_flush_and_is_dropped(served, monkeypatch):
+@pytest.mark.parametrize("writer_stuck", [False, True], ids=["writer-waiting", "writer-stuck-in-a-send"])
+def test_a_front_end_that_stops_reading_never_blocks_a_flush_and_is_dropped(served, monkeypatch, writer_stuck):
     """The model's response thread flushes; a front end that reads nothing must not stall it (every other request
     waits on that thread). Its backlog grows to the limit, then the connection goes and its requests are
-    cancelled."""
+    cancelled. With `writer_stuck` the flood yields between flushes, so the writer fills the socket and blocks in
+    a send before the limit is reached (the usual case on a busy host, and the one that once hung here)."""
     server, model = served
     monkeypatch.setattr(ChannelConnection, "MAX_BACKLOG_BYTES", 1 << 20)
     sock, _ = connect(server)  # never read from
@@ -192,6 +194,8 @@ def test_a_front_end_that_stops_reading_never_blocks_a_flush_and_is_dropped(serv
         while not model.cancelled:
             stream.send_outputs(token)
             server.flush()
+            if writer_stuck:
+                time.sleep(0.001)
 
     flooding = threading.Thread(target=flood, daemon=True)
     flooding.start()

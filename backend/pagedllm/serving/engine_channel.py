@@ -141,6 +141,7 @@ class ChannelConnection:
                 logger.error("engine channel: a front end %d MiB behind in reading is dropped",
                              self.backlog_bytes >> 20)
                 self.backlog, self.closing = [], True
+                self._shut()  # the writer may be stuck in a send to it: this fails that send, and ends the reader
             self.wake.notify()
 
     def close(self, timeout: float = 5.0) -> None:
