@@ -188,6 +188,7 @@ def test_every_request_gets_one_final_response_through_death_restart_and_finaliz
     wait_for(lambda: all(len(r.sender.responses) >= 2 for r in requests + [cancelled]))
     cancelled.sender.cancel = True
     wait_for(lambda: cancelled.sender.finals and channel.finals(2))
+    assert model.num_cancelled == 2  # each counted once (the channel's reader and the sweep may both see one)
     model.execute([FakeRequest(trigger, long, "trigger")])  # the forward pass fails: the engine is dead
     wait_for(lambda: all(r.sender.finals for r in requests) and channel.finals(0) and channel.finals(1))
     for r in requests:

@@ -255,13 +255,17 @@ class TritonPythonModel:
         """The front end cancelled a request, or went away: abort it now (no sweep needed)."""
         with self.lock:
             state = self.inflight.get(stream.rid) if stream.rid is not None else None
-            if state is None or state.cancelled:
-                return
+        if state is not None:
             self._abort_cancelled(stream.rid, state)
 
     def _abort_cancelled(self, rid: str, state: _InFlight) -> None:
-        state.cancelled = True
-        self.num_cancelled += 1
+        """Abort a request its client cancelled, once: the channel's reader and the response thread's sweep may
+        both see the same cancellation."""
+        with self.lock:
+            if state.cancelled:
+                return
+            state.cancelled = True
+            self.num_cancelled += 1
         self.loop.abort(rid)
 
     # --- engine thread -----------------------------------------------------------------------
