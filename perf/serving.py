@@ -60,11 +60,12 @@ def make_prompts(path: str, n: int, seed: int) -> list[str]:
 class PagedServer:
     name = "pagedllm-triton"
 
-    def __init__(self, path: str, engine_channel: bool = False) -> None:
+    def __init__(self, path: str, stream_interval: int = 1, engine_channel: bool = False) -> None:
         workdir = Path(tempfile.mkdtemp(prefix="pagedllm-serving-"))
         # The model's engine channel, for a front end to take, as `pagedllm serve` lays it out.
         self.channel = launcher.engine_channel_path(workdir) if engine_channel else None
-        self.run = launcher.launch_on_free_ports(workdir, path, {**ENGINE, "openai_channel": self.channel})
+        self.run = launcher.launch_on_free_ports(workdir, path, {**ENGINE, "openai_channel": self.channel,
+                                                                 "stream_interval": stream_interval})
         self.url = f"http://127.0.0.1:{self.run.http_port}/v2/models/pagedllm/generate_stream"
 
     def body(self, prompt: str, max_tokens: int) -> dict:
@@ -81,9 +82,9 @@ class PagedOpenAIServer(PagedServer):
 
     name = "pagedllm-openai"
 
-    def __init__(self, path: str, engine_channel: bool = True) -> None:
+    def __init__(self, path: str, stream_interval: int = 1, engine_channel: bool = True) -> None:
         # As `pagedllm serve` runs it: over the model's engine channel (False: through Triton's HTTP endpoint).
-        super().__init__(path, engine_channel)
+        super().__init__(path, stream_interval, engine_channel)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         try:
@@ -107,7 +108,7 @@ class PagedOpenAIServer(PagedServer):
 class VllmServer:
     name = "vllm-serve"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, stream_interval: int = 1) -> None:
         from vllm_env import VLLM_VENV, ensure_vllm, peer_env
 
         ensure_vllm()
@@ -118,7 +119,8 @@ class VllmServer:
             self.proc = subprocess.Popen(
                 [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                  "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0"],
+                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--seed", "0",
+                 *(["--stream-interval", str(stream_interval)] if stream_interval > 1 else [])],
                 env=peer_env(KV_GIB), start_new_session=True, stdout=subprocess.DEVNULL, stderr=err)
         launcher.wait_for_200(f"http://127.0.0.1:{port}/health", self.proc, 900, "vllm serve", f"; see {log}")
         self.url = f"http://127.0.0.1:{port}/v1/completions"
@@ -176,9 +178,10 @@ METRICS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms"
            "client_cpu_cores")
 
 
-def sweep(server_class, path: str, levels: list[int], workloads: dict, max_tokens: int, rnd: int):
+def sweep(server_class, path: str, levels: list[int], workloads: dict, max_tokens: int, rnd: int,
+          stream_interval: int):
     """One server's levels in turn, each yielded as it completes."""
-    server = server_class(path)
+    server = server_class(path, stream_interval)
     try:
         asyncio.run(run_level(server, workloads["warmup"], 8, max_tokens))  # one untimed wave
         for c in levels:
@@ -200,6 +203,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="default 1,8,32,64 (1,8 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (16 with --quick)")
     ap.add_argument("--rounds", type=int, default=None, help="default 2 with --with-vllm, else 1")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="every engine's stream interval (vLLM's --stream-interval; ours the engine argument): "
+                         "a stream's events every N tokens, its first at once (default 1: each token)")
     args = ap.parse_args()
     size = args.size or ("tiny" if args.quick else "125m")
     max_tokens = args.max_tokens or (16 if args.quick else 128)
@@ -217,13 +223,13 @@ def main() -> None:
     runs: dict[tuple[str, int], list[dict]] = {}
     for r in range(rounds):
         for server_class in (servers if r % 2 == 0 else servers[::-1]):
-            for level in sweep(server_class, path, levels, workloads, max_tokens, r + 1):
+            for level in sweep(server_class, path, levels, workloads, max_tokens, r + 1, args.stream_interval):
                 runs.setdefault((level["engine"], level["concurrency"]), []).append(level)
                 # after every level, so that a run cut short still leaves perf/plots.py what it measured (a quick
                 # run leaves the last real run's samples alone)
                 if not args.quick:
-                    write_samples(summarize(runs, size, max_tokens), runs)
-    for row in summarize(runs, size, max_tokens):
+                    write_samples(summarize(runs, size, max_tokens, args.stream_interval), runs)
+    for row in summarize(runs, size, max_tokens, args.stream_interval):
         emit({"median_over_rounds": True, **row})
     if args.with_vllm:
         for engine, c in itertools.product((s.name for s in servers[:-1]), levels):
@@ -234,9 +240,11 @@ def main() -> None:
                 for m in METRICS if m != "client_cpu_cores"}})
 
 
-def summarize(runs: dict[tuple[str, int], list[dict]], size: str, max_tokens: int) -> list[dict]:
+def summarize(runs: dict[tuple[str, int], list[dict]], size: str, max_tokens: int,
+              stream_interval: int) -> list[dict]:
     """Per engine and concurrency, the median of each metric over the rounds run so far."""
     return [{"engine": engine, "model": f"llama-{size}", "max_tokens": max_tokens, "concurrency": c,
+             "stream_interval": stream_interval,
              "rounds": len(levels_run), **{m: statistics.median(lv[m] for lv in levels_run) for m in METRICS}}
             for (engine, c), levels_run in runs.items()]
 

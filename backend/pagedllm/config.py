@@ -83,6 +83,10 @@ class SchedulerConfig:
     #   at once, none recomputes for that (the same throughput where measured, perf/README.md session 39).
     #   Priority preemption, beams and LongRoPE's recompute still preempt (engine/scheduler.py).
     capacity_scheduler_policy: str = "max_utilization"
+    # A streamed request's outputs come every `stream_interval` tokens (its first and its last at once), not at
+    # each one: fewer, larger responses cost the host less per token (vLLM's --stream-interval; a request may
+    # ask for a longer interval, never a shorter one).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
@@ -92,6 +96,8 @@ class SchedulerConfig:
         _require(self.max_queue_size is None or self.max_queue_size > 0, "max_queue_size", "must be > 0")
         _require(self.capacity_scheduler_policy in CAPACITY_POLICIES, "capacity_scheduler_policy",
                  f"must be one of {CAPACITY_POLICIES}, got {self.capacity_scheduler_policy!r}")
+        _require(_int(self.stream_interval) and self.stream_interval >= 1, "stream_interval",
+                 f"must be an integer >= 1, got {self.stream_interval!r}")
 
 
 @dataclass(frozen=True)

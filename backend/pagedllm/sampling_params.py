@@ -137,6 +137,9 @@ class SamplingParams:
     detokenize: bool = True
     # Logprobs of the prompt's tokens (vLLM's): per position after the first, the actual token's plus the top k.
     prompt_logprobs: int | None = None
+    # A streamed request's outputs every this many tokens (its first and last at once); None: the engine's
+    # stream_interval, which is also the least a request gets (vLLM's).
+    stream_interval: int | None = None
     # Offline only (vLLM's): each called as fn(output_token_ids, logits) or fn(prompt_token_ids,
     # output_token_ids, logits) on the request's fp32 logits row, returning the row to sample from.
     logits_processors: list[Callable] = field(default_factory=list)
@@ -209,6 +212,9 @@ class SamplingParams:
             ("detokenize", lambda: isinstance(self.detokenize, bool), "must be a boolean"),
             ("prompt_logprobs", lambda: self.prompt_logprobs is None or (
                 _int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_INT32), "must be an integer >= 0"),
+            ("stream_interval", lambda: self.stream_interval is None or (
+                _int(self.stream_interval) and 1 <= self.stream_interval <= MAX_INT32),
+             "must be an integer in [1, 2^31 - 1]"),
             ("stop", lambda: self.detokenize or not self.stop, "stop strings need detokenize=True"),
             ("structured_outputs", lambda: self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams), "must be StructuredOutputsParams"),

@@ -163,6 +163,17 @@ def test_completion_streamed_equals_not_streamed(client):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_a_stream_interval_streams_runs_of_tokens(client):
+    """vLLM's stream_interval (extra body): the first token, then a chunk per 5 tokens, the rest with the last."""
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    whole = client.completions.create(**kw, extra_body=LONG)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                            extra_body={**LONG, "stream_interval": 5}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == whole.choices[0].text and 1 < len(texts) <= 4  # tokens 1, 6, 11 and 16
+    assert chunks[-1].usage.completion_tokens == 16
+
+
 def test_completion_logprobs_shape(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
                                     extra_body=LONG)
@@ -294,6 +305,7 @@ def test_n_choices_streamed_and_not_equal_the_seeded_samples(client):
         "name": "x", "schema": {"type": "objectx"}}}}, "response_format.json"),
     ({"prompt": PROMPT}, "model"),
     ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, "temperature"),  # refused by the model itself
+    ({"model": MODEL, "prompt": PROMPT, "stream_interval": 0}, "stream_interval"),
     # a stream's status, decided before its first token
     ({"model": MODEL, "prompt": PROMPT, "top_k": -5, "stream": True}, "top_k"),
 ])

@@ -48,11 +48,12 @@ def test_quick_mode_prints_its_ratios(script, args, key):
 
 @pytest.mark.server
 def test_serving_drives_triton_and_the_openai_front_end():
-    records = run("serving.py", "--quick", "--front-ends", "triton,openai")
+    records = run("serving.py", "--quick", "--front-ends", "triton,openai", "--stream-interval", "2")
     levels = [r for r in records if "round" in r]
     assert sorted((r["engine"], r["concurrency"]) for r in levels) == [
         ("pagedllm-openai", 1), ("pagedllm-openai", 8), ("pagedllm-triton", 1), ("pagedllm-triton", 8)]
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_p99_ms"] > 0 for r in levels)
+    assert {r["stream_interval"] for r in records if r.get("median_over_rounds")} == {2}
 
 
 @pytest.mark.parametrize("way", ["channel", "http"])

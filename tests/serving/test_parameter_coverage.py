@@ -1,6 +1,6 @@
 """Issue #18: a parameter that is accepted and ignored is a bug. Every documented input of both contracts is
-walked here, vllm_backend's (every `sampling_parameters` key of vLLM 0.8-0.10's SamplingParams, and its
-tensors) and TensorRT-LLM's ensemble / tensorrt_llm_bls inputs: each either has a visible effect (an output
+walked here, vllm_backend's (every `sampling_parameters` key of vLLM 0.8-0.10's SamplingParams and 0.11's
+stream_interval, and its tensors) and TensorRT-LLM's ensemble / tensorrt_llm_bls inputs: each either has a visible effect (an output
 that differs from the default's in the expected way, through the request parser, the InputProcessor, the
 engine on the tiny model and the ResponseBuilder) or is refused with an InvalidRequest naming it.
 
@@ -33,7 +33,7 @@ VLLM_KEYS = [
     "min_p", "seed", "stop", "stop_token_ids", "bad_words", "include_stop_str_in_output", "ignore_eos",
     "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
     "spaces_between_special_tokens", "logits_processors", "truncate_prompt_tokens", "guided_decoding",
-    "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "output_kind",
+    "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "output_kind", "stream_interval",
 ]
 # vllm_backend's own sampling_parameters keys (read beside SamplingParams').
 VLLM_BACKEND_KEYS = ["lora_name"]
@@ -193,6 +193,12 @@ def check_key(llm, key: str) -> None:
         assert out.final.prompt_token_ids == base.final.prompt_token_ids[-3:]
     elif key == "logit_bias":
         assert serve(llm, sp(logit_bias={"77": 100})).tokens == [77] * 16
+    elif key == "stream_interval":  # a stream's responses: the first token, then every 4, then the last
+        every_token = serve(llm, tensors({"stream": t(True)}, detokenize=False))
+        spaced = serve(llm, tensors({"stream": t(True)}, detokenize=False, stream_interval=4))
+        assert len(every_token.responses) == 16 and len(spaced.responses) == 5  # tokens 1, 5, 9, 13, 16
+        assert serve(llm, tensors({"stream": t(True)}, stream_interval=4)).text == text
+        refused(llm, sp(stream_interval=0), key)
     elif key == "allowed_token_ids":
         out = serve(llm, sp(**SAMPLED, allowed_token_ids=[10, 20]))
         assert set(out.tokens) <= {10, 20} and out.tokens != toks

@@ -3,6 +3,7 @@ generate_stream, concurrency, cancellation, genai-perf payloads (bad input: test
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -57,6 +58,23 @@ def test_streams_equal_offline_outputs(server, offline, protocol, params):
     # outputs queued while it waited, so on a loaded host one stream can arrive in one chunk (seen in CI).
     # A server that does not stream gives one chunk for every prompt.
     assert max(chunk_counts) > 1, chunk_counts
+
+
+def test_a_stream_interval_sends_a_streams_tokens_in_runs(server, offline):
+    """sampling_parameters' stream_interval (vLLM's): an event for the first token, then one per 4 tokens, the
+    rest with the last; the text is unchanged."""
+    expected = offline_text(offline, PROMPTS[1], temperature=0, max_tokens=30, ignore_eos=True)
+    sp = {"temperature": 0, "max_tokens": 30, "ignore_eos": True, "stream_interval": 4}
+    status, body = post(server, "generate_stream", {"text_input": PROMPTS[1], "stream": True,
+                                                    "return_num_output_tokens": True,
+                                                    "sampling_parameters": json.dumps(sp)})
+    assert status == 200, body
+    events = [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+    assert "".join(e["text_output"] for e in events) == expected.text
+    handed_out = list(itertools.accumulate(e["num_output_tokens"] for e in events))
+    assert handed_out[-1] == 30 and len(events) <= 9
+    # 1, 5, 9, ... (some joined, or one held a token longer for a character not yet whole)
+    assert all(b - a >= 4 for a, b in zip(handed_out, handed_out[1:-1])), handed_out
 
 
 def test_http_generate_returns_one_response_with_the_prompt_unless_excluded(server, offline):

@@ -82,7 +82,8 @@ class LLMEngine:
             raise
         self.sampler = Sampler(config.seed, load_fused_ops(info.device) if config.fused_cpu_ops else None)
         self.grammar_masks = GrammarMasks(load_token_mask(info.device) if config.fused_cpu_ops else None)
-        self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, info.max_model_len,
+                                                config.scheduler.stream_interval)
         self.groups = RequestGroups(self.scheduler, self.kv, self.output_processor, info.eos_token_ids,
                                     lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()

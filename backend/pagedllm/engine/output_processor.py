@@ -19,7 +19,7 @@ from pagedllm.sampling_params import RequestOutputKind
 class RequestState:
     """A live request's text, logprobs and what its earlier outputs already handed out."""
 
-    def __init__(self, req: Request, tokenizer) -> None:
+    def __init__(self, req: Request, tokenizer, stream_interval: int = 1) -> None:
         self.req = req
         self.tokenizer = tokenizer
         params = req.sampling_params
@@ -36,6 +36,9 @@ class RequestState:
         self.sent_prompt_logprobs = False  # a DELTA output hands them out once, in the first output
         self.stopped_by_string = False
         self.detokenize = params.detokenize  # False: token ids only, the text stays empty (vLLM's)
+        # Outputs before the end come every `interval` tokens, the first at once (vLLM's stream interval).
+        self.interval = max(stream_interval, params.stream_interval or 1)
+        self.tokens_at_last_output: int | None = None  # None: nothing handed out yet
 
     def add_token(self, sampled: SampledToken, with_text: bool) -> bool:
         """Record the request's newest token; True if a stop string appeared (the text is cut before it)."""
@@ -67,16 +70,25 @@ class RequestState:
 
     def output(self) -> RequestOutput | None:
         """What this request hands out now, per its kind; None when nothing is due (FINAL_ONLY before the end,
-        or a DELTA with no new visible text)."""
+        fewer tokens than its stream interval since the last output, or a DELTA with nothing new)."""
         req = self.req
         finished = req.is_finished
         if finished and not self.stopped_by_string and self.detokenize:
             self.text += self.detok.flush()
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if not finished and self.interval > 1 and self.tokens_at_last_output is not None \
+                and req.num_output_tokens - self.tokens_at_last_output < self.interval:
+            return None
         visible = len(self.text) if finished else max(self.sent_text, len(self.text) - self.holdback)
         if self.kind == RequestOutputKind.DELTA:
-            if visible == self.sent_text and not finished:
+            # Nothing new to hand out: no visible text (a token's bytes may end mid-character), or without
+            # text no new token.
+            if self.detokenize:
+                nothing_new = visible == self.sent_text
+            else:
+                nothing_new = req.num_output_tokens == self.sent_tokens
+            if nothing_new and not finished:
                 return None
             text, tokens = self.text[self.sent_text:visible], req.output_token_ids[self.sent_tokens:]
             logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens:]
@@ -84,6 +96,7 @@ class RequestState:
         else:
             text, tokens = self.text[:visible], list(req.output_token_ids)
             logprobs = None if self.logprobs is None else list(self.logprobs)
+        self.tokens_at_last_output = req.num_output_tokens
         completion = CompletionOutput(
             index=0, text=text, token_ids=tokens,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
@@ -100,13 +113,14 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer, max_model_len: int, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval  # the engine's: the least any request gets
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, req: Request) -> None:
-        self.states[req.request_id] = RequestState(req, self.tokenizer)
+        self.states[req.request_id] = RequestState(req, self.tokenizer, self.stream_interval)
 
     def process_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestStatus | None:
         """`tokens` were just appended to `req`. Check each in turn; on a stop, drop the ones after it and return

@@ -101,6 +101,7 @@ class RequestBase(_Strict):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None
+    stream_interval: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -14,7 +14,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Request fields passed through under the same name.
 _PASSED = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens", "logit_bias",
-           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "n")
+           "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "n",
+           "stream_interval")
 
 
 def _common(req: RequestBase) -> dict:

@@ -62,10 +62,11 @@ _JSON_PARAMS = {
     "min_tokens": int, "ignore_eos": bool, "logprobs": int, "presence_penalty": float,
     "frequency_penalty": float, "repetition_penalty": float, "skip_special_tokens": bool, "n": int,
     "include_stop_str_in_output": bool, "truncate_prompt_tokens": int, "detokenize": bool, "prompt_logprobs": int,
-    "best_of": int,
+    "best_of": int, "stream_interval": int,
 }
 _JSON_LIST_PARAMS = {"stop": str, "stop_token_ids": int, "allowed_token_ids": int, "bad_words": str}
-_NULLABLE = {"seed", "max_tokens", "logprobs", "truncate_prompt_tokens", "prompt_logprobs", "best_of"}
+_NULLABLE = {"seed", "max_tokens", "logprobs", "truncate_prompt_tokens", "prompt_logprobs", "best_of",
+             "stream_interval"}
 # Keys vLLM accepts whose only value here is vLLM's default (so a client written for vllm_backend that sends
 # them keeps working); any other value is refused rather than silently ignored.
 _JSON_DEFAULT_ONLY = {"spaces_between_special_tokens": (True,)}
