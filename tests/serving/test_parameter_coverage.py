@@ -1,8 +1,9 @@
 """Issue #18: a parameter that is accepted and ignored is a bug. Every documented input of both contracts is
 walked here, vllm_backend's (every `sampling_parameters` key of vLLM 0.8-0.10's SamplingParams and 0.11's
-stream_interval, and its tensors) and TensorRT-LLM's ensemble / tensorrt_llm_bls inputs: each either has a visible effect (an output
-that differs from the default's in the expected way, through the request parser, the InputProcessor, the
-engine on the tiny model and the ResponseBuilder) or is refused with an InvalidRequest naming it.
+stream_interval, and its tensors) and TensorRT-LLM's ensemble / tensorrt_llm_bls inputs: each either has a
+visible effect (an output that differs from the default's in the expected way, through the request parser, the
+InputProcessor, the engine on the tiny model and the ResponseBuilder) or is refused with an InvalidRequest naming
+it.
 
 The lists are written out (not derived from the parser) so that a key the parser starts accepting without a
 check here fails `test_every_documented_input_has_a_check`.
