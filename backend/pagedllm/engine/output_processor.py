@@ -31,14 +31,14 @@ class RequestState:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.sent_text = 0  # characters, tokens and logprob entries handed out in earlier DELTA outputs
+        self.sent_text = 0  # characters handed out in earlier DELTA outputs
+        # Output tokens (and their logprob entries) handed out by the last output of any kind; 0: none yet.
         self.sent_tokens = 0
         self.sent_prompt_logprobs = False  # a DELTA output hands them out once, in the first output
         self.stopped_by_string = False
         self.detokenize = params.detokenize  # False: token ids only, the text stays empty (vLLM's)
         # Outputs before the end come every `interval` tokens, the first at once (vLLM's stream interval).
         self.interval = max(stream_interval, params.stream_interval or 1)
-        self.tokens_at_last_output: int | None = None  # None: nothing handed out yet
 
     def add_token(self, sampled: SampledToken, with_text: bool) -> bool:
         """Record the request's newest token; True if a stop string appeared (the text is cut before it)."""
@@ -77,8 +77,8 @@ class RequestState:
             self.text += self.detok.flush()
         if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if not finished and self.interval > 1 and self.tokens_at_last_output is not None \
-                and req.num_output_tokens - self.tokens_at_last_output < self.interval:
+        if not finished and self.interval > 1 and self.sent_tokens \
+                and req.num_output_tokens - self.sent_tokens < self.interval:
             return None
         visible = len(self.text) if finished else max(self.sent_text, len(self.text) - self.holdback)
         if self.kind == RequestOutputKind.DELTA:
@@ -92,11 +92,11 @@ class RequestState:
                 return None
             text, tokens = self.text[self.sent_text:visible], req.output_token_ids[self.sent_tokens:]
             logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens:]
-            self.sent_text, self.sent_tokens = visible, req.num_output_tokens
+            self.sent_text = visible
         else:
             text, tokens = self.text[:visible], list(req.output_token_ids)
             logprobs = None if self.logprobs is None else list(self.logprobs)
-        self.tokens_at_last_output = req.num_output_tokens
+        self.sent_tokens = req.num_output_tokens
         completion = CompletionOutput(
             index=0, text=text, token_ids=tokens,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
