@@ -143,9 +143,16 @@ def start_server(repo: Path, backends: Path, http_port: int, grpc_port: int, met
 
 
 def wait_ready(http_port: int, proc: subprocess.Popen, timeout: float = 180.0, model: str | None = None,
-               cancelled: Callable[[], bool] = lambda: False) -> None:
+               cancelled: Callable[[], bool] = lambda: False, metrics_port: int | None = None) -> None:
+    """Until the server (or `model`) is ready and, given `metrics_port`, its metrics endpoint answers: Triton starts
+    that endpoint after HTTP (~40 ms later, more on a loaded host), so a ready HTTP endpoint alone does not mean
+    /metrics can be scraped."""
+    deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{http_port}/v2/" + (f"models/{model}/ready" if model else "health/ready")
     wait_for_200(url, proc, timeout, "tritonserver", "", cancelled)
+    if metrics_port is not None and not cancelled():
+        wait_for_200(f"http://127.0.0.1:{metrics_port}/metrics", proc, max(deadline - time.monotonic(), 1.0),
+                     "tritonserver's metrics endpoint", "", cancelled)
 
 
 def wait_for_200(url: str, proc: subprocess.Popen, timeout: float, what: str, exit_hint: str,
@@ -212,7 +219,7 @@ def launch_on_free_ports(workdir: Path, model_dir: str, engine_overrides: dict, 
     proc = start_server(repo, backends, *ports, log_path=log, explicit_model_control=explicit_model_control,
                         extra_args=[f"--exit-timeout-secs={exit_timeout_s}", *extra_args])
     try:
-        wait_ready(ports[0], proc, model="pagedllm")
+        wait_ready(ports[0], proc, model="pagedllm", metrics_port=ports[2])
     except Exception:
         stop_server(proc)
         raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-4000:]}") from None
@@ -332,7 +339,7 @@ def serve(args) -> int:
         def stopping() -> bool:
             return bool(signals)
 
-        wait_ready(args.http_port, proc, model="pagedllm", cancelled=stopping)
+        wait_ready(args.http_port, proc, model="pagedllm", cancelled=stopping, metrics_port=args.metrics_port)
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         openai_url = f"http://{local}:{args.openai_port}"
         if args.openai_port and not signals:
