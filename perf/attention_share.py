@@ -1,8 +1,9 @@
 """Attention on CPU, per backend, in one run:
 - the share of a decode step spent in attention (every layer's KV store and attention kernel) on the 125M
   workload of perf/throughput.py, with the resulting decode tokens/s. Where the C++ decoder loop runs the step
-  (the cpu backend), the loop times its own stores and kernel calls (two clock reads a layer); elsewhere each
-  layer's backend.forward is timed from Python. Each (backend, cache dtype) gets --rounds fresh engines, taken
+  (the cpu backend), the loop times its own stores and kernel calls, and its linears too (linear_ms; other_ms is
+  the rest of the step: norms, rotary, activation, the LM head, sampling, the scheduler); elsewhere each layer's
+  backend.forward is timed from Python. Each (backend, cache dtype) gets --rounds fresh engines, taken
   in turn so that the host's drift falls on all of them alike; every round is printed, then the medians;
 - one prefill row of L tokens (125M attention shapes) through each backend;
 each with the bf16 cache and the fp8 one (--kv-cache-dtypes), and fp8's ratios to bf16.
@@ -50,17 +51,21 @@ def measure_steps(path, backend, prompts, steps, kv_cache_dtype):
         engine.step()
     loop = getattr(engine.executor.model.model, "decoder_loop", None)
     in_loop = loop.attention_seconds if loop is not None else 0.0
+    linears_before = loop.linear_seconds if loop is not None else 0.0
     timer = AttentionTimer(engine.backend)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - t0
     attention = timer.seconds + (loop.attention_seconds - in_loop if loop is not None else 0.0)
+    linears = loop.linear_seconds - linears_before if loop is not None else None
     rows = len(engine.scheduler.running)
     llm.shutdown()
+    split = {} if linears is None else {"linear_ms": round(1000 * linears / steps, 2),
+                                        "other_ms": round(1000 * (total - attention - linears) / steps, 2)}
     return {"bench": "attention_share", "backend": engine.backend.name, "kv_cache_dtype": kv_cache_dtype,
             "decode_rows": rows, "timed_in_decoder_loop": loop is not None and timer.seconds == 0.0,
-            "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * attention / steps, 2),
+            "step_ms": round(1000 * total / steps, 2), "attention_ms": round(1000 * attention / steps, 2), **split,
             "attention_share": round(attention / total, 3), "decode_tok_s": round(rows * steps / total, 1)}
 
 
@@ -68,7 +73,8 @@ def medians(rounds: list[dict]) -> dict:
     return {**{k: rounds[0][k] for k in ("backend", "kv_cache_dtype", "decode_rows")}, "bench": "attention_share_median",
             "rounds": len(rounds),
             **{k: round(statistics.median(r[k] for r in rounds), 3)
-               for k in ("step_ms", "attention_ms", "attention_share", "decode_tok_s")}}
+               for k in ("step_ms", "attention_ms", "linear_ms", "other_ms", "attention_share", "decode_tok_s")
+               if k in rounds[0]}}
 
 
 def prefill_row_ms(backend_name: str, length: int, kv_cache_dtype: str, repeats: int = 3) -> float:

@@ -95,6 +95,35 @@ def test_a_wrong_backend_is_rejected(llama_dir, monkeypatch):
     assert llm.get_stats().attention_backend != "wrong"
 
 
+def test_a_burst_of_load_during_one_backends_turn_does_not_decide_the_race(monkeypatch):
+    """The probe runs are timed with a scripted clock: 0.1 ms for `fast`, 0.5 ms for `slow`, and 20 ms more for the
+    12 runs after `fast`'s first one (a burst of load on the host). Timed one backend after the other, all of
+    `fast`'s timed runs fell in the burst and `slow` won; taken in turn, both meet it and `fast` wins."""
+    import torch
+
+    class Fast(selector.TorchAttention):
+        name = "fast"
+
+    class Slow(selector.TorchAttention):
+        name = "slow"
+
+    runs = []
+
+    def scripted(backend, p, s, cache):
+        runs.append(backend.name)
+        since_fast = len(runs) - 1 - runs.index("fast") if "fast" in runs else 0
+        burst = 20.0 if 1 <= since_fast <= 12 else 0.0
+        return selector._run(backend, p, s, cache), (0.1 if backend.name == "fast" else 0.5) + burst
+
+    monkeypatch.setitem(selector.BUILDERS, "fast", Fast)
+    monkeypatch.setitem(selector.BUILDERS, "slow", Slow)
+    monkeypatch.setitem(selector.AUTO_CANDIDATES, "cpu", ("slow", "fast"))
+    monkeypatch.setattr(selector, "_timed_run", scripted)
+    _, sel = selector.select_backend("auto", selector.ProbeShape(4, 2, 32, 16, torch.float32))
+    assert sel.chosen == "fast" and sel.results["fast"]["ms"] == 0.1 and sel.results["slow"]["ms"] == 0.5
+    assert runs[2:6] == ["slow", "fast", "slow", "fast"]  # after the two first runs, in turn
+
+
 @pytest.mark.skipif(not cpu_kernel.cpu_supported()[0], reason=cpu_kernel.cpu_supported()[1])
 @pytest.mark.parametrize("amx_attention,built_with", [(True, None), (False, False)])
 def test_the_amx_switch_reaches_the_backend_before_the_race(monkeypatch, amx_attention, built_with):

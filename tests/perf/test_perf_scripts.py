@@ -105,11 +105,13 @@ def test_throughput_rounds_give_each_engine_one_run_a_round():
 @needs_kernels
 def test_attention_share_is_clocked_inside_the_decoder_loop():
     """The C++ decoder loop runs these steps, out of the Python timer's sight (which read 0 ms): its own clock
-    gives attention's time there."""
+    gives attention's time there, and its linears' (the rest of the step, other_ms, is what neither takes)."""
     records = run("attention_share.py", "--quick", "--backends", "cpu", "--kv-cache-dtypes", "auto,fp8")
     shares = [r for r in records if r["bench"] == "attention_share"]
     assert {r["kv_cache_dtype"] for r in shares} == {"auto", "fp8"}
     assert all(r["timed_in_decoder_loop"] and 0 < r["attention_share"] < 1 for r in shares)
+    assert all(0 < r["linear_ms"] and 0 < r["other_ms"] and r["attention_ms"] + r["linear_ms"] < r["step_ms"]
+               for r in shares)
 
 
 def test_tensor_parallel_traffic_matches_theory():

@@ -65,6 +65,11 @@ class DecoderLoop:
         """Time spent so far inside the loop's KV stores and attention kernels (perf/attention_share.py)."""
         return self._loop.attention_seconds
 
+    @property
+    def linear_seconds(self) -> float:
+        """Time spent so far inside the layers' linears (perf/attention_share.py)."""
+        return self._loop.linear_seconds
+
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         cos, sin = (r.reshape(x.shape[0], -1) for r in rope)
         return self._loop.forward(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,

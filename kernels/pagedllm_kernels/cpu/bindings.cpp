@@ -55,5 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("prefetch"), pybind11::arg("amx_attention"))
       .def("forward", &DecoderLoop::forward, kFree, "a step through every layer and the final norm (decoder_loop.cpp)")
       .def_property_readonly("attention_seconds", &DecoderLoop::attention_seconds,
-                             "seconds spent in forward's KV stores and attention kernels so far");
+                             "seconds spent in forward's KV stores and attention kernels so far")
+      .def_property_readonly("linear_seconds", &DecoderLoop::linear_seconds,
+                             "seconds spent in forward's layers' linears so far");
 }

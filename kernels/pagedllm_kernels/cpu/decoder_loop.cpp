@@ -44,6 +44,15 @@ torch::Tensor onednn_matmul(const torch::Tensor& x, const torch::Tensor& weight,
   return stack[0].toTensor().narrow(0, 0, rows);
 }
 
+// f() with its wall time added to `ns`: two clock reads (~50 ns) beside calls of tens of microseconds or more.
+template <class F>
+torch::Tensor clocked(std::atomic<int64_t>& ns, F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  torch::Tensor out = f();
+  ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
 }  // namespace
 
 DecoderLoop::Linear DecoderLoop::bf16_tiles(torch::Tensor tiles, std::optional<torch::Tensor> bias) {
@@ -102,7 +111,7 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     const Layer& layer = layers_[i];
     if (i > 0) add_rms_norm_(h, residual, layer.input_norm, eps_);
     // Attention: q, k, v are views of the projection's rows, as the Python's split + reshape leaves them.
-    const torch::Tensor qkv = layer.qkv.apply(h, prefetch_);
+    const torch::Tensor qkv = clocked(linear_ns_, [&] { return layer.qkv.apply(h, prefetch_); });
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, head_dim_});
@@ -112,16 +121,17 @@ torch::Tensor DecoderLoop::forward(torch::Tensor x, torch::Tensor cos, torch::Te
     }
     rotary_(q, cos, sin);
     rotary_(k, cos, sin);
-    const auto attention_start = std::chrono::steady_clock::now();
-    store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
-    const torch::Tensor o = paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start,
-                                            scale_, layer.window, layer.k_scale, layer.v_scale, amx_attention_);
-    attention_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                                          attention_start).count();
-    h = layer.o.apply(o.view({t, q_size}), prefetch_);
+    const torch::Tensor o = clocked(attention_ns_, [&] {
+      store_kv(k, v, layer.k_cache, layer.v_cache, slots, layer.k_scale, layer.v_scale);
+      return paged_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, query_start, scale_,
+                             layer.window, layer.k_scale, layer.v_scale, amx_attention_);
+    });
+    h = clocked(linear_ns_, [&] { return layer.o.apply(o.view({t, q_size}), prefetch_); });
     // Feed-forward: SiLU-and-mul between the merged gate/up projection and the down projection.
     add_rms_norm_(h, residual, layer.post_norm, eps_);
-    h = layer.down.apply(silu_and_mul(layer.gate_up.apply(h, prefetch_)), prefetch_);
+    const torch::Tensor gate_up = clocked(linear_ns_, [&] { return layer.gate_up.apply(h, prefetch_); });
+    const torch::Tensor act = silu_and_mul(gate_up);
+    h = clocked(linear_ns_, [&] { return layer.down.apply(act, prefetch_); });
   }
   add_rms_norm_(h, residual, final_norm_, eps_);
   return h;

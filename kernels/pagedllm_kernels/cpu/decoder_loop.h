@@ -54,6 +54,9 @@ class DecoderLoop {
   // Seconds spent so far in the KV stores and attention kernels of forward's calls (two clock reads a layer):
   // attention's share of a step, measured where the step runs (perf/attention_share.py).
   double attention_seconds() const { return static_cast<double>(attention_ns_) * 1e-9; }
+  // Seconds spent so far in the layers' linears (four a layer, their kernels' calls as a whole): with attention's,
+  // what of a step is neither (norms, rotary, activation, the loop's own overhead).
+  double linear_seconds() const { return static_cast<double>(linear_ns_) * 1e-9; }
 
  private:
   std::vector<Layer> layers_;
@@ -61,5 +64,5 @@ class DecoderLoop {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   bool prefetch_, amx_attention_;
-  std::atomic<int64_t> attention_ns_{0};  // forward runs without the GIL: Python may read it meanwhile
+  std::atomic<int64_t> attention_ns_{0}, linear_ns_{0};  // forward runs without the GIL: Python may read them
 };
