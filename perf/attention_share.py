@@ -50,14 +50,14 @@ def measure_steps(path, backend, prompts, steps, kv_cache_dtype):
     for _ in range(5):
         engine.step()
     loop = getattr(engine.executor.model.model, "decoder_loop", None)
-    in_loop = loop.attention_seconds if loop is not None else 0.0
+    attention_before = loop.attention_seconds if loop is not None else 0.0
     linears_before = loop.linear_seconds if loop is not None else 0.0
     timer = AttentionTimer(engine.backend)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     total = time.perf_counter() - t0
-    attention = timer.seconds + (loop.attention_seconds - in_loop if loop is not None else 0.0)
+    attention = timer.seconds + (loop.attention_seconds - attention_before if loop is not None else 0.0)
     linears = loop.linear_seconds - linears_before if loop is not None else None
     rows = len(engine.scheduler.running)
     llm.shutdown()

@@ -102,15 +102,15 @@ def select_backend(name: str, shape: ProbeShape, amx_attention: bool = True):
             if hasattr(backend, "warm_up"):  # one-time costs (compiling a kernel) are not its speed
                 backend.warm_up(shape.device)
             cache = _filled_cache(backend, probe, shape)
-            out, first_ms[cand] = _timed_run(backend, probe, shape, cache)
+            out, ms = _timed_run(backend, probe, shape, cache)
             err = (out.float() - reference.float()).abs().max().item()
             if not err <= _TOLERANCE[shape.dtype]:
                 raise RuntimeError(f"output differs from the torch reference by {err:.3g}")
-            built[cand] = (backend, cache)
+            built[cand], first_ms[cand] = (backend, cache), ms
         except Exception as e:  # unavailable (no GPU, no triton) or wrong: report, do not crash
             results[cand] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             logger.info("attention backend %s not usable: %s", cand, results[cand]["error"])
-    for cand, ms in _race(built, {c: first_ms[c] for c in built}, probe, shape).items():
+    for cand, ms in _race(built, first_ms, probe, shape).items():
         results[cand] = {"ok": True, "ms": round(ms, 3)}
     built = {c: b for c, (b, _) in built.items()}
     if built:
